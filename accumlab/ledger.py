@@ -1,0 +1,204 @@
+"""Counting what a run did: per-update reports, the run's ledger, and the run record.
+
+Every count has a unit (see the course's notebook 00): microbatches and backward passes
+are per forward/backward call on this replica; examples and targets are this replica's
+own; an update *attempt* is one ``optimizer.step()`` call at a window boundary, and an
+attempt is *applied* unless the gradient was non-finite or the window had no targets.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .plan import AccumulationPlan
+
+
+@dataclass
+class UpdateReport:
+    """What one window did. Counts are this replica's; ``global_targets`` is the window's
+    denominator summed over all replicas.
+
+    ``loss`` is the window's mean loss per unit on this replica (``loss_sum / targets``,
+    ``nan`` when it had none). ``grad_norm`` is the L2 norm of the combined, unscaled
+    gradient before clipping. ``skipped_reason`` is ``None`` for an applied update,
+    ``"no targets"`` or ``"non-finite gradient"`` otherwise.
+    """
+
+    index: int
+    applied: bool
+    examples: int
+    targets: int
+    global_targets: int
+    microbatches: int
+    backward_passes: int
+    loss: float
+    loss_sum: float
+    grad_norm: float
+    lr: float | None = None
+    scale_before: float | None = None
+    scale_after: float | None = None
+    skipped_reason: str | None = None
+    replicas: int = 1
+
+
+@dataclass
+class Ledger:
+    """Running totals of a training run on this replica, plus one report per attempt.
+
+    ``loader_batches`` counts what the data iterable yielded; ``microbatches`` counts
+    forward passes (they differ when a loader batch is re-split, e.g. after an OOM
+    shrink). ``dropped_*`` count a short last window discarded by
+    ``last_window="drop"``: those examples were read but never trained on.
+    """
+
+    microbatches: int = 0
+    backward_passes: int = 0
+    update_attempts: int = 0
+    updates_applied: int = 0
+    updates_skipped: int = 0
+    examples: int = 0
+    targets: int = 0
+    loader_batches: int = 0
+    dropped_windows: int = 0
+    dropped_examples: int = 0
+    dropped_targets: int = 0
+    reports: list[UpdateReport] = field(default_factory=list)
+    shrinks: list[dict[str, int]] = field(default_factory=list)
+
+    def record(self, report: UpdateReport) -> None:
+        """Add one window's report to the totals."""
+        self.reports.append(report)
+        self.microbatches += report.microbatches
+        self.backward_passes += report.backward_passes
+        self.update_attempts += 1
+        self.updates_applied += int(report.applied)
+        self.updates_skipped += int(not report.applied)
+        self.examples += report.examples
+        self.targets += report.targets
+
+    def record_dropped(self, examples: int, targets: int) -> None:
+        """Count a window that was read but not trained on (``last_window="drop"``)."""
+        self.dropped_windows += 1
+        self.dropped_examples += examples
+        self.dropped_targets += targets
+
+    @property
+    def losses(self) -> list[float]:
+        """Window mean losses of the applied updates, in order."""
+        return [r.loss for r in self.reports if r.applied]
+
+    def summary(self) -> str:
+        """One line with every count, for a print at the end of a run."""
+        return (
+            f"{self.update_attempts} update attempts ({self.updates_applied} applied, "
+            f"{self.updates_skipped} skipped) from {self.microbatches} microbatches / "
+            f"{self.backward_passes} backward passes; {self.examples} examples, "
+            f"{self.targets} targets; {self.loader_batches} loader batches; dropped "
+            f"{self.dropped_examples} examples / {self.dropped_targets} targets"
+        )
+
+
+NORMALIZATION = {
+    "target": "sum of token losses / targets in the window (summed over replicas) × D",
+    "example": "sum of example losses / examples in the window (summed over replicas) × D",
+}
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else value
+
+
+@dataclass
+class RunRecord:
+    """What a reader needs to reproduce or audit a run: sizes, counts, policies.
+
+    Build it with ``RunRecord.from_run(plan, ledger, ...)``; ``to_json()`` and
+    ``to_markdown()`` render it. ``extra`` holds fields later chapters add (memory peaks,
+    per-rank totals) without changing the core.
+    """
+
+    micro_batch_size: int
+    accumulation_steps: int
+    data_parallel_size: int
+    effective_batch_size: int
+    last_window: str
+    unit: str
+    normalization: str
+    precision: str
+    examples: int
+    targets: int
+    loader_batches: int
+    microbatches: int
+    backward_passes: int
+    update_attempts: int
+    updates_applied: int
+    updates_skipped: int
+    dropped_examples: int
+    dropped_targets: int
+    first_loss: float | None
+    last_loss: float | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_run(
+        cls,
+        plan: AccumulationPlan,
+        ledger: Ledger,
+        *,
+        unit: str = "target",
+        precision: str = "fp32",
+        extra: dict[str, Any] | None = None,
+    ) -> RunRecord:
+        """Collect the plan's sizes and the ledger's counts; ``unit`` is the objective's
+        ``unit`` (``"target"`` or ``"example"``)."""
+        if not isinstance(plan, AccumulationPlan):
+            raise TypeError(f"plan must be an AccumulationPlan, got {type(plan).__name__}")
+        if not isinstance(ledger, Ledger):
+            raise TypeError(f"ledger must be a Ledger, got {type(ledger).__name__}")
+        if unit not in NORMALIZATION:
+            raise ValueError(f"unit must be one of {sorted(NORMALIZATION)}, got {unit!r}")
+        losses = ledger.losses
+        return cls(
+            micro_batch_size=plan.micro_batch_size,
+            accumulation_steps=plan.accumulation_steps,
+            data_parallel_size=plan.data_parallel_size,
+            effective_batch_size=plan.effective_batch_size,
+            last_window=plan.last_window,
+            unit=unit,
+            normalization=NORMALIZATION[unit],
+            precision=precision,
+            examples=ledger.examples,
+            targets=ledger.targets,
+            loader_batches=ledger.loader_batches,
+            microbatches=ledger.microbatches,
+            backward_passes=ledger.backward_passes,
+            update_attempts=ledger.update_attempts,
+            updates_applied=ledger.updates_applied,
+            updates_skipped=ledger.updates_skipped,
+            dropped_examples=ledger.dropped_examples,
+            dropped_targets=ledger.dropped_targets,
+            first_loss=_finite_or_none(losses[0]) if losses else None,
+            last_loss=_finite_or_none(losses[-1]) if losses else None,
+            extra=dict(extra or {}),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, indent: int = 2) -> str:
+        """The record as JSON (strict: no NaN)."""
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False, default=str)
+
+    def to_markdown(self) -> str:
+        """The record as a two-column Markdown table."""
+        rows = ["| field | value |", "| --- | --- |"]
+        for key, value in self.to_dict().items():
+            if key == "extra":
+                rows.extend(f"| {k} | {v} |" for k, v in value.items())
+            else:
+                shown = f"{value:.4f}" if isinstance(value, float) else value
+                rows.append(f"| {key} | {shown} |")
+        return "\n".join(rows)

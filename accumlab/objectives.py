@@ -1,0 +1,193 @@
+"""What a loss counts and what it sums.
+
+An objective answers two questions about a microbatch, and the loop needs both apart:
+
+- ``count(batch) -> int``: how many units (supervised tokens, or examples) it holds.
+  Runs on CPU tensors *before* the forward pass, so a window's denominator is known before
+  any gradient exists (and, under data parallelism, can be summed across replicas first).
+- ``loss_sum(output, batch) -> Tensor``: the *sum* of per-unit losses, a 0-d tensor.
+
+The window's loss is ``sum of loss_sum over its microbatches / sum of count``: a mean per
+unit over the whole window, whatever the split. Averaging per-microbatch means instead
+weights a unit in a short microbatch more than one in a long one (notebook 02).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch.nn.functional as F
+from torch import Tensor
+
+LABELS = "labels"
+
+
+@runtime_checkable
+class Objective(Protocol):
+    """The two-method contract the loop relies on; ``unit`` names what ``count`` counts."""
+
+    unit: str
+
+    def count(self, batch: Mapping[str, Tensor]) -> int: ...
+
+    def loss_sum(self, output: Any, batch: Mapping[str, Tensor]) -> Tensor: ...
+
+
+def check_batch(batch: object, name: str = "batch") -> Mapping[str, Tensor]:
+    """Return ``batch`` if it is a mapping with a tensor ``labels`` entry, else raise."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"{name} must be a mapping of tensors such as {{'input_ids': ..., 'labels': ...}}, "
+            f"got {type(batch).__name__}; wrap tensors in a dict"
+        )
+    if LABELS not in batch:
+        raise ValueError(
+            f"{name} has no 'labels' entry (keys: {sorted(batch)}); the objective reads its "
+            "targets from batch['labels']"
+        )
+    if not isinstance(batch[LABELS], Tensor):
+        raise TypeError(f"{name}['labels'] must be a tensor, got {type(batch[LABELS]).__name__}")
+    return batch
+
+
+def logits_of(output: Any) -> Tensor:
+    """The logits in a model's output: a tensor, an object with ``.logits``, or a mapping."""
+    if isinstance(output, Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, Mapping):
+        logits = output.get("logits")
+    if not isinstance(logits, Tensor):
+        raise TypeError(
+            f"model output of type {type(output).__name__} is neither a tensor nor has a "
+            "tensor .logits; pass forward=... to train_window to adapt your model"
+        )
+    return logits
+
+
+class NextTokenLoss:
+    """Causal language-model cross-entropy, counted per supervised target token.
+
+    Targets are the labels shifted left by one (``labels[:, 1:]``), as in Hugging Face
+    causal LMs; a position whose target equals ``ignore_index`` (padding, a masked
+    prompt) is neither counted nor summed. ``count`` is ``(labels[:, 1:] != ignore_index)
+    .sum()``; ``loss_sum`` is the summed cross-entropy over exactly those targets, in nats.
+    """
+
+    unit = "target"
+
+    def __init__(self, ignore_index: int = -100) -> None:
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+        self.ignore_index = ignore_index
+
+    def __repr__(self) -> str:
+        return f"NextTokenLoss(ignore_index={self.ignore_index})"
+
+    def _labels(self, batch: object) -> Tensor:
+        labels = check_batch(batch)[LABELS]
+        if labels.dim() != 2:
+            raise ValueError(
+                f"NextTokenLoss needs labels of shape (batch, sequence), got {tuple(labels.shape)}"
+            )
+        if labels.is_floating_point():
+            raise TypeError(f"labels must be integer token ids, got dtype {labels.dtype}")
+        return labels
+
+    def count(self, batch: Mapping[str, Tensor]) -> int:
+        """Supervised targets after the shift: ``(labels[:, 1:] != ignore_index).sum()``."""
+        labels = self._labels(batch)
+        return int((labels[:, 1:] != self.ignore_index).sum())
+
+    def loss_sum(self, output: Any, batch: Mapping[str, Tensor]) -> Tensor:
+        """Sum of token cross-entropies over the counted targets (0-d float tensor)."""
+        labels = self._labels(batch)
+        logits = logits_of(output)
+        if logits.dim() != 3 or logits.shape[:2] != labels.shape:
+            raise ValueError(
+                f"logits of shape {tuple(logits.shape)} do not match labels of shape "
+                f"{tuple(labels.shape)}; expected (batch, sequence, vocab) with the same "
+                "batch and sequence sizes"
+            )
+        targets = labels[:, 1:].to(logits.device)
+        predictions = logits[:, :-1]
+        return F.cross_entropy(
+            predictions.reshape(-1, predictions.size(-1)).float(),
+            targets.reshape(-1),
+            ignore_index=self.ignore_index,
+            reduction="sum",
+        )
+
+
+PerExampleLoss = Callable[[Tensor, Tensor], Tensor]
+
+
+def _cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    return F.cross_entropy(logits.float(), labels, reduction="none")
+
+
+def _mse(prediction: Tensor, target: Tensor) -> Tensor:
+    error = F.mse_loss(prediction.float(), target.float(), reduction="none")
+    return error.reshape(error.size(0), -1).mean(dim=1)
+
+
+_PER_EXAMPLE: dict[str, PerExampleLoss] = {"cross_entropy": _cross_entropy, "mse": _mse}
+
+
+class ExampleLoss:
+    """A per-example loss, counted per example: ``count`` is the batch size.
+
+    ``loss`` is ``"cross_entropy"`` (class labels), ``"mse"`` (mean squared error per
+    example, averaged over that example's features) or a callable
+    ``(output, labels) -> Tensor`` of shape ``(batch,)`` giving one loss per example.
+    ``loss_sum`` sums the per-example losses, so window loss / window count is the
+    sample mean over every example in the window.
+    """
+
+    unit = "example"
+
+    def __init__(self, loss: str | PerExampleLoss = "cross_entropy") -> None:
+        if isinstance(loss, str):
+            if loss not in _PER_EXAMPLE:
+                raise ValueError(
+                    f"loss must be one of {sorted(_PER_EXAMPLE)} or a callable, got {loss!r}"
+                )
+            self.name, self._fn = loss, _PER_EXAMPLE[loss]
+        elif callable(loss):
+            self.name, self._fn = getattr(loss, "__name__", "custom"), loss
+        else:
+            raise TypeError(f"loss must be a string or a callable, got {type(loss).__name__}")
+
+    def __repr__(self) -> str:
+        return f"ExampleLoss(loss={self.name!r})"
+
+    def count(self, batch: Mapping[str, Tensor]) -> int:
+        """Examples in the batch: ``batch['labels'].shape[0]``."""
+        labels = check_batch(batch)[LABELS]
+        if labels.dim() == 0:
+            raise ValueError("labels must have a batch dimension, got a 0-d tensor")
+        return int(labels.shape[0])
+
+    def loss_sum(self, output: Any, batch: Mapping[str, Tensor]) -> Tensor:
+        """Sum over examples of the per-example loss (0-d float tensor)."""
+        labels = check_batch(batch)[LABELS]
+        prediction = logits_of(output)
+        if prediction.shape[0] != labels.shape[0]:
+            raise ValueError(
+                f"model output has {prediction.shape[0]} rows but labels have "
+                f"{labels.shape[0]}; they must describe the same examples"
+            )
+        per_example = self._fn(prediction, labels.to(prediction.device))
+        if per_example.shape != (labels.shape[0],):
+            raise ValueError(
+                f"the per-example loss must return shape ({labels.shape[0]},), got "
+                f"{tuple(per_example.shape)}; use reduction='none'"
+            )
+        return per_example.sum()
+
+
+def count_window(objective: Objective, window: Any) -> list[int]:
+    """Per-microbatch unit counts of a window, computed on CPU before any forward pass."""
+    return [objective.count(check_batch(mb, f"microbatch {i}")) for i, mb in enumerate(window)]
+

@@ -1,0 +1,45 @@
+"""Re-execute notebooks in place, the way `pytest --nbval` will run them.
+
+nbval starts a plain kernel and does not emulate Output widgets, so this runner does the
+same: no Output-widget capture, file-descriptor capture off (prints from spawned worker
+processes must not land in saved outputs), a fresh kernel per notebook, cells run in
+order from the notebook's own folder.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+
+def run(path: Path, timeout: int = 900) -> float:
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+        extra_arguments=["--IPKernelApp.capture_fd_output=False"],
+        record_timing=False,
+    )
+    client.widget_registry = {}  # nbval does not emulate Output widgets; neither do we
+    start = time.perf_counter()
+    client.execute()
+    nbformat.write(nb, path)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str]) -> int:
+    paths = [Path(p) for p in argv] or sorted(Path("notebooks").glob("[0-9]*.ipynb"))
+    for path in paths:
+        seconds = run(path)
+        print(f"{path}: executed and saved in {seconds:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
