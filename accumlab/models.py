@@ -139,7 +139,11 @@ class TinyGPT(nn.Module):
             raise ValueError(
                 f"input_ids must be 2-D (batch, seq), got shape {tuple(input_ids.shape)}"
             )
-        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        if (
+            input_ids.dtype.is_floating_point
+            or input_ids.dtype.is_complex
+            or input_ids.dtype == torch.bool
+        ):
             raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         seq = input_ids.shape[1]
         if not 1 <= seq <= self.block_size:

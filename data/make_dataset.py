@@ -110,9 +110,7 @@ def summary(lines: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--check", action="store_true", help="exit 1 if the committed file differs"
-    )
+    parser.add_argument("--check", action="store_true", help="exit 1 if the committed file differs")
     args = parser.parse_args(argv)
     if args.check:
         if check():

@@ -148,7 +148,7 @@ def test_answers_are_correct(records: list[dict]) -> None:
 def test_load_examples(records: list[dict]) -> None:
     examples = load_examples(limit=10)
     assert len(examples) == 10
-    for ex, r in zip(examples, records):
+    for ex, r in zip(examples, records[:10], strict=True):
         assert ex.id == r["id"]
         assert ex.prompt_len == len(r["prompt"])
         assert ex.input_ids[-1] == EOS_ID

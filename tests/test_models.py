@@ -52,7 +52,9 @@ def test_weights_start_small_and_tied() -> None:
 
 def test_count_parameters_counts_the_tied_weight_once() -> None:
     v, b, c, n_layer = VOCAB_SIZE, 32, 64, 2
-    per_block = 2 * (2 * c) + (3 * c * c + 3 * c) + (c * c + c) + (4 * c * c + 4 * c) + (4 * c * c + c)
+    per_block = (
+        2 * (2 * c) + (3 * c * c + 3 * c) + (c * c + c) + (4 * c * c + 4 * c) + (4 * c * c + c)
+    )
     expected = v * c + b * c + n_layer * per_block + 2 * c
     assert count_parameters(small_gpt()) == expected
 
@@ -83,7 +85,9 @@ def test_right_padding_does_not_change_real_positions() -> None:
     ids = random_ids(1, 6)
     padded = torch.cat([ids, torch.zeros(1, 4, dtype=torch.long)], dim=1)
     with torch.no_grad():
-        torch.testing.assert_close(model(padded).logits[:, :6], model(ids).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            model(padded).logits[:, :6], model(ids).logits, rtol=0, atol=1e-5
+        )
 
 
 def test_batch_gradient_equals_sum_of_part_gradients() -> None:
@@ -105,9 +109,11 @@ def test_batch_gradient_equals_sum_of_part_gradients() -> None:
     full = torch.autograd.grad(loss_sum(batch), list(model.parameters()))
     parts = [torch.zeros_like(p) for p in model.parameters()]
     for mb in microbatches(examples, 4):
-        for acc, g in zip(parts, torch.autograd.grad(loss_sum(mb), list(model.parameters()))):
+        for acc, g in zip(
+            parts, torch.autograd.grad(loss_sum(mb), list(model.parameters())), strict=True
+        ):
             acc += g
-    for f, p in zip(full, parts):
+    for f, p in zip(full, parts, strict=True):
         torch.testing.assert_close(p, f, rtol=1e-4, atol=1e-5)
 
 
@@ -119,7 +125,7 @@ def test_checkpoint_gives_the_same_gradient() -> None:
         loss = shifted_loss(model(ids).logits, ids)
         loss.backward()
         grads.append([p.grad.clone() for p in model.parameters()])
-    for a, b in zip(*grads):
+    for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
@@ -151,7 +157,7 @@ def test_checkpoint_with_dropout_matches_too() -> None:
         torch.manual_seed(123)
         shifted_loss(model(ids).logits, ids).backward()
         grads.append([p.grad.clone() for p in model.parameters()])
-    for a, b in zip(*grads):
+    for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
