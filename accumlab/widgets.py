@@ -1,0 +1,290 @@
+"""Notebook widgets, each built on a pure function that a test and the next cell also call.
+
+Every widget here is a thin layer of sliders over a pure function that does the
+arithmetic: the pure function is the part to trust and to test; the widget only calls it
+and shows the result. The functions are independent of one another, so a new explorer
+is one more pure function plus one more ``*_widget()`` builder.
+
+``ipywidgets`` is imported inside the builders, so importing this module never needs a
+notebook front end.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}; pass a positive count")
+    return value
+
+
+# --- effective batch (notebook 00) -----------------------------------------------------
+
+#: Row labels of :func:`effective_batch_table`, in display order, with their units.
+EFFECTIVE_BATCH_LABELS: dict[str, str] = {
+    "gpus": "GPUs in the job (D × T × P)",
+    "gpus_per_replica": "GPUs per replica (T × P, one model copy)",
+    "replicas": "data-parallel replicas D",
+    "micro_batch_size": "examples per microbatch m",
+    "accumulation_steps": "microbatches per window A",
+    "examples_per_replica_per_update": "examples per update on one replica (m × A)",
+    "effective_batch_size": "effective batch: examples per update (m × A × D)",
+    "forward_passes_per_update_per_replica": "forward/backward passes per update, per replica (A)",
+    "forward_passes_per_update": "forward/backward passes per update, all replicas (A × D)",
+}
+
+
+def effective_batch_table(
+    micro_batch_size: int,
+    accumulation_steps: int,
+    data_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+) -> dict[str, int]:
+    """What one update is made of, for ``m`` examples per microbatch, ``A`` microbatches
+    per window, ``D`` data-parallel replicas, each replica split over ``T`` tensor-parallel
+    × ``P`` pipeline-parallel GPUs.
+
+    Only data-parallel replicas see different examples, so the effective batch is
+    ``m × A × D`` examples per update whatever ``T`` and ``P`` are; the job uses
+    ``D × T × P`` GPUs. All values are counts (ints); the keys are those of
+    :data:`EFFECTIVE_BATCH_LABELS`. Raises ``TypeError``/``ValueError`` for a size that is
+    not a positive int.
+    """
+    m = _positive_int("micro_batch_size", micro_batch_size)
+    a = _positive_int("accumulation_steps", accumulation_steps)
+    d = _positive_int("data_parallel_size", data_parallel_size)
+    t = _positive_int("tensor_parallel_size", tensor_parallel_size)
+    p = _positive_int("pipeline_parallel_size", pipeline_parallel_size)
+    return {
+        "gpus": d * t * p,
+        "gpus_per_replica": t * p,
+        "replicas": d,
+        "micro_batch_size": m,
+        "accumulation_steps": a,
+        "examples_per_replica_per_update": m * a,
+        "effective_batch_size": m * a * d,
+        "forward_passes_per_update_per_replica": a,
+        "forward_passes_per_update": a * d,
+    }
+
+
+def effective_batch_html(table: dict[str, int]) -> str:
+    """Render a table from :func:`effective_batch_table` as an HTML table (labels with units)."""
+    missing = [key for key in EFFECTIVE_BATCH_LABELS if key not in table]
+    if missing:
+        raise ValueError(
+            f"table is missing {missing}; build it with effective_batch_table(...)"
+        )
+    rows = "".join(
+        f"<tr><td style='text-align:left'>{html.escape(label)}</td>"
+        f"<td style='text-align:right'><b>{table[key]}</b></td></tr>"
+        for key, label in EFFECTIVE_BATCH_LABELS.items()
+    )
+    return f"<table>{rows}</table>"
+
+
+def effective_batch_widget(
+    micro_batch_size: int = 4,
+    accumulation_steps: int = 8,
+    data_parallel_size: int = 2,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+) -> Any:
+    """Sliders for m, A, D, T, P over :func:`effective_batch_table`; returns an
+    ``ipywidgets.VBox`` whose last child is an ``HTML`` widget holding the table.
+
+    Moving a slider recomputes the table with the pure function (no printing, so the
+    widget behaves the same in JupyterLab, in VS Code and under nbval). The arguments are
+    the sliders' starting values.
+    """
+    import ipywidgets as widgets
+
+    start = effective_batch_table(
+        micro_batch_size,
+        accumulation_steps,
+        data_parallel_size,
+        tensor_parallel_size,
+        pipeline_parallel_size,
+    )
+    style = {"description_width": "initial"}
+    sliders = {
+        "micro_batch_size": widgets.IntSlider(
+            value=start["micro_batch_size"], min=1, max=max(64, micro_batch_size),
+            description="m (examples / microbatch)", style=style,
+        ),
+        "accumulation_steps": widgets.IntSlider(
+            value=start["accumulation_steps"], min=1, max=max(64, accumulation_steps),
+            description="A (microbatches / window)", style=style,
+        ),
+        "data_parallel_size": widgets.IntSlider(
+            value=start["replicas"], min=1, max=max(16, data_parallel_size),
+            description="D (data-parallel replicas)", style=style,
+        ),
+        "tensor_parallel_size": widgets.IntSlider(
+            value=tensor_parallel_size, min=1, max=max(8, tensor_parallel_size),
+            description="T (tensor-parallel GPUs)", style=style,
+        ),
+        "pipeline_parallel_size": widgets.IntSlider(
+            value=pipeline_parallel_size, min=1, max=max(8, pipeline_parallel_size),
+            description="P (pipeline stages)", style=style,
+        ),
+    }
+    output = widgets.HTML(value=effective_batch_html(start))
+
+    def refresh(_change: object = None) -> None:
+        table = effective_batch_table(**{name: s.value for name, s in sliders.items()})
+        output.value = effective_batch_html(table)
+
+    for slider in sliders.values():
+        slider.observe(refresh, names="value")
+    return widgets.VBox([*sliders.values(), output])
+
+
+# --- token weighting (notebook 02) -----------------------------------------------------
+
+import math  # noqa: E402  (this section's imports; the module grows by appending sections)
+from collections.abc import Sequence  # noqa: E402
+
+
+def token_weighting(target_counts: Sequence[int], mean_losses: Sequence[float]) -> dict[str, Any]:
+    """Two ways to turn the microbatches of one window into one loss, side by side.
+
+    Microbatch ``i`` holds ``target_counts[i]`` supervised targets (after the shift,
+    ignored labels excluded) whose mean loss is ``mean_losses[i]`` nats per target. With
+    ``N`` the window's targets and ``A`` its microbatches, returns:
+
+    - ``target_counts``, ``mean_losses``: the inputs, as a tuple of ints and of floats;
+    - ``targets``: ``N = sum(target_counts)``;
+    - ``token_mean``: ``sum(n_i * l_i) / N``, every target weighted ``1/N``: the
+      full-batch loss, and what accumlab's loop backpropagates (nats per target);
+    - ``average_of_averages``: ``sum(l_i) / A``, the mean of the per-microbatch means
+      (a mean-reduced loss per microbatch divided by ``A``);
+    - ``token_mean_weights``: ``n_i / N``, microbatch ``i``'s share of the window's loss
+      under the token mean (the shares add up to 1);
+    - ``average_of_averages_weights``: ``1 / A`` for every microbatch, whatever it holds;
+    - ``target_weight_ratio``: ``N / (A * n_i)``, how many times as much one target of
+      microbatch ``i`` counts under the average of averages as under the token mean
+      (above 1 in microbatches smaller than average, below 1 in bigger ones).
+
+    The two losses agree exactly when every microbatch holds the same number of targets
+    (or every microbatch has the same mean loss). Raises ``ValueError``/``TypeError``
+    when the sequences differ in length or are empty, a count is not a positive int, or
+    a loss is not a finite number.
+    """
+    for name, values in (("target_counts", target_counts), ("mean_losses", mean_losses)):
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise TypeError(
+                f"{name} must be a sequence with one entry per microbatch, got "
+                f"{type(values).__name__}"
+            )
+    if len(target_counts) != len(mean_losses) or not target_counts:
+        raise ValueError(
+            f"target_counts ({len(target_counts)} entries) and mean_losses "
+            f"({len(mean_losses)} entries) need one entry per microbatch each, at least one"
+        )
+    counts = tuple(_positive_int(f"target_counts[{i}]", n) for i, n in enumerate(target_counts))
+    losses = []
+    for i, loss in enumerate(mean_losses):
+        if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+            raise TypeError(
+                f"mean_losses[{i}] must be a number (nats per target), got "
+                f"{type(loss).__name__} ({loss!r}); convert a tensor with float(t)"
+            )
+        if not math.isfinite(loss):
+            raise ValueError(f"mean_losses[{i}] must be finite, got {loss!r}")
+        losses.append(float(loss))
+    total, a = sum(counts), len(counts)
+    return {
+        "target_counts": counts,
+        "mean_losses": tuple(losses),
+        "targets": total,
+        "token_mean": math.fsum(n * loss for n, loss in zip(counts, losses, strict=True)) / total,
+        "average_of_averages": math.fsum(losses) / a,
+        "token_mean_weights": tuple(n / total for n in counts),
+        "average_of_averages_weights": tuple(1 / a for _ in counts),
+        "target_weight_ratio": tuple(total / (a * n) for n in counts),
+    }
+
+
+def _share_bar(share: float, colour: str) -> str:
+    return (
+        f"<div style='display:inline-block;width:{100 * share:.1f}px;height:0.8em;"
+        f"background:{colour}'></div> {share:.3f}"
+    )
+
+
+def token_weighting_html(result: dict[str, Any]) -> str:
+    """Render a result of :func:`token_weighting` as an HTML table: one row per
+    microbatch (targets, mean loss, its share of the window under each scheme drawn as a
+    bar 100 px per whole window, and the per-target weight ratio), then both losses."""
+    keys = ("target_counts", "mean_losses", "token_mean_weights",
+            "average_of_averages_weights", "target_weight_ratio", "token_mean",
+            "average_of_averages", "targets")
+    missing = [key for key in keys if key not in result]
+    if missing:
+        raise ValueError(f"result is missing {missing}; build it with token_weighting(...)")
+    head = "".join(
+        f"<th>{html.escape(h)}</th>"
+        for h in ("microbatch", "targets", "mean loss (nats)", "share: token mean",
+                  "share: average of averages", "one target counts ×")
+    )
+    rows = "".join(
+        f"<tr><td>{i}</td><td>{n}</td><td>{loss:.3f}</td>"
+        f"<td style='text-align:left'>{_share_bar(w_tok, '#4c72b0')}</td>"
+        f"<td style='text-align:left'>{_share_bar(w_avg, '#dd8452')}</td>"
+        f"<td>{ratio:.2f}</td></tr>"
+        for i, (n, loss, w_tok, w_avg, ratio) in enumerate(
+            zip(result["target_counts"], result["mean_losses"], result["token_mean_weights"],
+                result["average_of_averages_weights"], result["target_weight_ratio"],
+                strict=True)
+        )
+    )
+    summary = (
+        f"<p>window: {result['targets']} targets in {len(result['target_counts'])} "
+        f"microbatches; token mean <b>{result['token_mean']:.4f}</b> nats, average of "
+        f"averages <b>{result['average_of_averages']:.4f}</b> nats</p>"
+    )
+    return f"<table><tr>{head}</tr>{rows}</table>{summary}"
+
+
+def token_weighting_widget(
+    target_counts: Sequence[int] = (512, 1536, 64),
+    mean_losses: Sequence[float] = (2.0, 4.0, 3.0),
+) -> Any:
+    """Sliders for each microbatch's target count and mean loss over
+    :func:`token_weighting`; returns an ``ipywidgets.VBox`` with one row of two sliders
+    per microbatch and, last, an ``HTML`` widget holding :func:`token_weighting_html`.
+
+    The arguments set the number of microbatches and the sliders' starting values.
+    Moving a slider recomputes the table with the pure function (no printing).
+    """
+    import ipywidgets as widgets
+
+    start = token_weighting(target_counts, mean_losses)
+    style = {"description_width": "initial"}
+    counts = [
+        widgets.IntSlider(value=n, min=1, max=max(4096, n), step=1,
+                          description=f"microbatch {i}: targets", style=style)
+        for i, n in enumerate(start["target_counts"])
+    ]
+    losses = [
+        widgets.FloatSlider(value=loss, min=min(0.0, loss), max=max(8.0, loss), step=0.1,
+                            description="mean loss (nats)", style=style)
+        for loss in start["mean_losses"]
+    ]
+    output = widgets.HTML(value=token_weighting_html(start))
+
+    def refresh(_change: object = None) -> None:
+        result = token_weighting([s.value for s in counts], [s.value for s in losses])
+        output.value = token_weighting_html(result)
+
+    for slider in (*counts, *losses):
+        slider.observe(refresh, names="value")
+    rows = [widgets.HBox([c, s]) for c, s in zip(counts, losses, strict=True)]
+    return widgets.VBox([*rows, output])

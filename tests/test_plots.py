@@ -1,0 +1,137 @@
+"""Plot helpers: the pure layout functions and the drawn Axes, under the Agg backend."""
+
+from __future__ import annotations
+
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+from accumlab.plots import (  # noqa: E402
+    curve_points,
+    plot_loss_curves,
+    plot_weights,
+    weight_bars,
+)
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    plt.close("all")
+
+
+def test_curve_points_default_x_is_the_index():
+    points = curve_points({"a": [3.0, 2.0, 1.5], "b": (4, 1)})
+    assert points == {"a": ([0.0, 1.0, 2.0], [3.0, 2.0, 1.5]), "b": ([0.0, 1.0], [4.0, 1.0])}
+
+
+def test_curve_points_shared_x_and_nan_gaps():
+    points = curve_points({"run": [1.0, float("nan"), 0.5]}, x=[0, 10, 20])
+    xs, ys = points["run"]
+    assert xs == [0.0, 10.0, 20.0]
+    assert ys[0] == 1.0 and math.isnan(ys[1]) and ys[2] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("curves", "x", "error", "match"),
+    [
+        ({}, None, ValueError, "curves is empty"),
+        ([1.0, 2.0], None, TypeError, "mapping"),
+        ({"a": []}, None, ValueError, "needs at least one value"),
+        ({"a": [1.0, 2.0]}, [0.0], ValueError, "has 2 values but x has 1"),
+        ({"a": "12"}, None, TypeError, "sequence of numbers"),
+        ({"a": [1.0, True]}, None, TypeError, r"curves\['a'\]\[1\] must be a number"),
+    ],
+)
+def test_curve_points_rejects_bad_input(curves, x, error, match):
+    with pytest.raises(error, match=match):
+        curve_points(curves, x)
+
+
+def test_plot_loss_curves_draws_each_series_with_labels():
+    curves = {"token mean": [4.0, 3.0, 2.5], "average of averages": [4.0, 3.5, 3.2]}
+    ax = plot_loss_curves(
+        curves, xlabel="applied updates", ylabel="loss (nats)", x=[0, 5, 10], title="t"
+    )
+    lines = ax.get_lines()
+    assert [line.get_label() for line in lines] == list(curves)
+    for line, ys in zip(lines, curves.values(), strict=True):
+        assert list(line.get_xdata()) == [0.0, 5.0, 10.0]
+        assert list(line.get_ydata()) == ys
+    assert ax.get_xlabel() == "applied updates" and ax.get_ylabel() == "loss (nats)"
+    assert ax.get_title() == "t"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(curves)
+
+
+def test_plot_loss_curves_draws_on_the_given_axes():
+    fig, (left, right) = plt.subplots(1, 2)
+    ax = plot_loss_curves({"a": [1.0, 0.5]}, xlabel="x", ylabel="y", ax=right)
+    assert ax is right
+    assert len(right.get_lines()) == 1 and len(left.get_lines()) == 0
+    assert len(fig.axes) == 2
+
+
+def test_plot_loss_curves_applies_styles_per_label():
+    ax = plot_loss_curves(
+        {"a": [1.0, 0.5], "b": [2.0, 1.0]},
+        xlabel="x",
+        ylabel="y",
+        styles={"b": {"color": "red", "linestyle": "--"}},
+    )
+    a, b = ax.get_lines()
+    assert b.get_linestyle() == "--" and b.get_color() == "red"
+    assert a.get_linestyle() == "-"
+    with pytest.raises(ValueError, match=r"styles names \['c'\]"):
+        plot_loss_curves({"a": [1.0]}, xlabel="x", ylabel="y", styles={"c": {}})
+
+
+def test_weight_bars_layout_centres_groups_on_microbatches():
+    groups = weight_bars({"token mean": [0.25, 0.75], "average of averages": [0.5, 0.5]})
+    assert [g.label for g in groups] == ["token mean", "average of averages"]
+    assert all(g.width == pytest.approx(0.4) for g in groups)
+    assert groups[0].positions == pytest.approx([-0.2, 0.8])
+    assert groups[1].positions == pytest.approx([0.2, 1.2])
+    assert groups[0].heights == [0.25, 0.75] and groups[1].heights == [0.5, 0.5]
+    # each group of bars is centred on its microbatch index
+    for i in range(2):
+        assert (groups[0].positions[i] + groups[1].positions[i]) / 2 == pytest.approx(i)
+
+
+@pytest.mark.parametrize(
+    ("weights", "match"),
+    [
+        ({}, "non-empty mapping"),
+        ({"a": [0.5, 0.5], "b": [1.0]}, "same, non-zero number"),
+        ({"a": []}, "same, non-zero number"),
+        ({"a": [0.5, float("inf")]}, "non-finite"),
+    ],
+)
+def test_weight_bars_rejects_bad_input(weights, match):
+    with pytest.raises(ValueError, match=match):
+        weight_bars(weights)
+
+
+def test_weight_bars_rejects_bad_group_width():
+    with pytest.raises(ValueError, match="group_width"):
+        weight_bars({"a": [1.0]}, group_width=0)
+
+
+def test_plot_weights_draws_one_container_per_scheme():
+    weights = {"token mean": [0.25, 0.75], "average of averages": [0.5, 0.5]}
+    ax = plot_weights(weights, labels=["512 targets", "1536 targets"], title="shares")
+    assert len(ax.containers) == 2
+    for container, heights in zip(ax.containers, weights.values(), strict=True):
+        assert [bar.get_height() for bar in container] == pytest.approx(heights)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["512 targets", "1536 targets"]
+    assert ax.get_ylabel() == "share of the window" and ax.get_title() == "shares"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(weights)
+
+
+def test_plot_weights_checks_label_count():
+    with pytest.raises(ValueError, match="labels has 1 names but there are 2 microbatches"):
+        plot_weights({"a": [0.5, 0.5]}, labels=["only one"])
