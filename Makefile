@@ -42,8 +42,10 @@ test: lint unit nbval
 notebooks: $(VENV)/.installed-dev
 	$(TEST_ENV) $(BIN)/python tools/run_notebooks.py $(NOTEBOOKS)
 
+# Ratios measured side by side in one run; see benchmarks/README.md.
 bench: $(VENV)/.installed-dev
-	$(TEST_ENV) $(BIN)/python benchmarks/loop_overhead.py
+	for b in loop_overhead precision_cost memory_peak ddp_no_sync; do \
+	  $(TEST_ENV) $(BIN)/python benchmarks/$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -4,31 +4,54 @@ The core rule: every microbatch backpropagates ``loss_sum × D / count(window, a
 replicas)`` and the optimizer steps once per window.
 """
 
+from . import distributed
 from .checks import GradientComparison, compare, compare_gradients, gradients, split_batch
+from .distributed import ExampleIdCheck, check_example_ids, launch
 from .ledger import Ledger, RunRecord, UpdateReport
 from .loop import accumulate, train, train_window
+from .memory import CannotShrinkError, MemoryMeter
 from .objectives import ExampleLoss, NextTokenLoss, Objective
-from .plan import AccumulationPlan, Window
-from .precision import PrecisionPolicy, precision_policy
+from .plan import AccumulationPlan, Window, data_parallel_size
+from .precision import (
+    PRECISIONS,
+    PrecisionPolicy,
+    gradients_finite,
+    inject_nonfinite,
+    precision_policy,
+    resolve_scaler,
+    scaler_settings,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccumulationPlan",
+    "CannotShrinkError",
+    "ExampleIdCheck",
     "ExampleLoss",
     "GradientComparison",
     "Ledger",
+    "MemoryMeter",
     "NextTokenLoss",
     "Objective",
+    "PRECISIONS",
     "PrecisionPolicy",
     "RunRecord",
     "UpdateReport",
     "Window",
     "accumulate",
+    "check_example_ids",
     "compare",
     "compare_gradients",
+    "data_parallel_size",
+    "distributed",
     "gradients",
+    "gradients_finite",
+    "inject_nonfinite",
+    "launch",
     "precision_policy",
+    "resolve_scaler",
+    "scaler_settings",
     "split_batch",
     "train",
     "train_window",

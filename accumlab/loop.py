@@ -10,7 +10,9 @@ windows from an iterable of microbatches and keeps the ledger.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,9 +22,10 @@ from torch import Tensor, nn
 
 from . import distributed
 from .ledger import Ledger, UpdateReport
-from .objectives import Objective, count_window
+from .memory import CannotShrinkError, OOMGuard, PeerOutOfMemory
+from .objectives import Objective, count_window, upcast
 from .plan import AccumulationPlan
-from .precision import precision_policy, resolve_scaler
+from .precision import gradients_finite, parameters_of, precision_policy, resolve_scaler
 
 Forward = Callable[[nn.Module, Mapping[str, Tensor]], Any]
 NOT_MODEL_INPUTS = frozenset({"labels", "example_ids"})
@@ -54,8 +57,7 @@ def _phase(meter: Any, name: str, microbatch: int | None = None) -> Any:
 
 
 def _examples(batch: Mapping[str, Tensor]) -> int:
-    labels = batch["labels"]
-    return int(labels.shape[0]) if labels.dim() else 0
+    return distributed.count_examples(batch)  # rows, less data-parallel padding rows
 
 
 @dataclass
@@ -109,10 +111,10 @@ def accumulate(
             with _phase(meter, "forward", i), policy.autocast():
                 output = forward(model, microbatch)
                 part = objective.loss_sum(output, microbatch)
-            loss = part.float() * (replicas / total)
+            loss = upcast(part) * (replicas / total)  # float64 models keep float64
             with _phase(meter, "backward", i):
                 (scaler.scale(loss) if scaler is not None else loss).backward()
-        loss_sum += part.detach().float()
+        loss_sum = loss_sum + upcast(part.detach())  # promotes to float64 for float64 models
         del output, part, loss  # nothing of this microbatch's graph survives the loop
     return Accumulated(counts, total, replicas, float(loss_sum), len(microbatches))
 
@@ -154,15 +156,37 @@ def train_window(
     """Exactly one update attempt from one window of microbatches.
 
     Order: clear gradients; ``accumulate`` (one backward pass per microbatch, each loss
-    divided by the window's unit count summed over replicas); then at the boundary:
-    unscale once (fp16), measure and optionally clip the combined gradient, step (or skip
-    when the gradient is non-finite or the window has no targets), update the scale,
-    clear gradients, and advance the scheduler once per applied update
-    (``scheduler_per="attempt"`` advances it on skipped attempts too).
+    divided by the window's unit count summed over replicas and, with a scaler, multiplied
+    by the scale, which is read when the window starts and is the same for all of its
+    microbatches); then at the boundary: ``scaler.unscale_`` once, after the last
+    contribution; check every gradient tensor for inf/nan; measure and, with
+    ``clip_grad_norm``, clip the combined unscaled gradient; ``scaler.step`` (or
+    ``optimizer.step`` without a scaler); ``scaler.update``; clear gradients; advance the
+    scheduler.
 
-    Without a scaler a non-finite gradient skips the step (``nonfinite="skip"``, the
-    default) or raises ``FloatingPointError`` (``nonfinite="raise"``); the weights are
-    never touched by it.
+    ``precision`` is ``"fp32"``, ``"bf16"`` or ``"fp16"`` (see ``accumlab.precision``):
+    bf16 and fp16 run the forward under ``torch.autocast`` for the model's device type.
+    fp16 needs a ``torch.amp.GradScaler`` for that device; with ``scaler=None`` one is
+    created for this window alone, so a caller running many windows passes the same
+    scaler to each (``train`` does) for the scale to carry over.
+
+    Skipped attempts. An attempt is skipped, ``report.applied`` is False and the weights,
+    the optimizer state and the scheduler are left as they were, when the window has no
+    targets or when any gradient is non-finite after unscaling. The check looks at each
+    gradient tensor (``precision.gradients_finite``); it neither trusts the return value
+    of ``scaler.step`` (``None`` whether or not the optimizer ran) nor the gradient norm
+    (which overflows for large finite gradients). With a scaler a skipped attempt still
+    calls ``scaler.update()``, which multiplies the scale by its backoff factor;
+    ``report.scale_before`` and ``report.scale_after`` show it. Without a scaler (fp32,
+    bf16, or fp16 with a disabled scaler) a non-finite gradient skips the update
+    (``nonfinite="skip"``, the default) or raises ``FloatingPointError`` after clearing
+    the gradients (``nonfinite="raise"``); with a scaler, skipping is the scaler's normal
+    way of finding its scale, so ``nonfinite`` does not apply.
+
+    The scheduler advances once per applied update (``scheduler_per="applied"``, the
+    default: the schedule counts updates that changed the weights, so a skipped attempt
+    does not shift it), or once per attempt, skipped or not (``scheduler_per="attempt"``,
+    the choice of loops that step the scheduler unconditionally).
     """
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(f"clip_grad_norm must be positive or None, got {clip_grad_norm!r}")
@@ -170,6 +194,7 @@ def train_window(
         raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
     if scheduler_per not in ("applied", "attempt"):
         raise ValueError(f"scheduler_per must be 'applied' or 'attempt', got {scheduler_per!r}")
+    distributed.check_replicas(model)  # a plain model in a multi-rank group is an error
     policy = precision_policy(precision, model_device(model))
     scaler = resolve_scaler(policy, scaler)
     scale_before = float(scaler.get_scale()) if scaler is not None else None
@@ -202,12 +227,28 @@ def train_window(
     with _phase(meter, "update"):
         if scaler is not None:
             scaler.unscale_(optimizer)  # once, after the last contribution
-        report.grad_norm = grad_norm(model.parameters(), clip_grad_norm)
-        finite = math.isfinite(report.grad_norm)
+        # Per tensor, after unscaling: the only reliable signal. scaler.step returns the
+        # optimizer's own return value (None either way), and the norm of large finite
+        # gradients overflows to inf.
+        finite = gradients_finite(parameters_of(model, optimizer))
+        # Clip only a finite gradient: clipping inf/nan would turn every entry into nan.
+        report.grad_norm = grad_norm(model.parameters(), clip_grad_norm if finite else None)
         if scaler is not None:
-            scaler.step(optimizer)  # skips the step itself when it found inf/nan
-            scaler.update()
+            # An unscaled gradient that is finite was finite when scaled, so the scaler
+            # agrees and steps. A non-finite one is never handed to scaler.step: the
+            # scaler would skip it too, except when a scale below 1 made unscaling overflow.
+            if finite:
+                scaler.step(optimizer)
+            scaler.update()  # backs the scale off after a skipped attempt
             report.scale_after = float(scaler.get_scale())
+            if not finite and not report.scale_after < scale_before:  # type: ignore[operator]
+                warnings.warn(
+                    f"window {index}: the gradient was non-finite only after unscaling (scale "
+                    f"{scale_before:g}); the update was skipped but the GradScaler did not "
+                    "reduce its scale",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         elif finite:
             optimizer.step()
         elif nonfinite == "raise":
@@ -239,6 +280,132 @@ def _planned_windows(batches: Iterable[Any], plan: AccumulationPlan) -> int | No
     return full + (1 if rest and plan.last_window == "update" else 0)
 
 
+def _rows(batch: Mapping[str, Any]) -> int:
+    labels = batch["labels"]
+    return int(labels.shape[0]) if labels.dim() else 0
+
+
+def _halve(batch: Mapping[str, Any], keep_empty: bool) -> list[dict[str, Any]]:
+    """Cut a microbatch into its first ``ceil(n/2)`` and last ``floor(n/2)`` examples.
+
+    Every tensor whose first dimension is the batch size is cut; anything else is shared.
+    An empty half is dropped unless ``keep_empty`` (data parallelism: every rank must run
+    the same number of microbatches, and a zero-row microbatch adds nothing).
+    """
+    n = _rows(batch)
+    cut = (n + 1) // 2
+    halves = []
+    for start, stop in ((0, cut), (cut, n)):
+        if stop > start or keep_empty:
+            halves.append(
+                {
+                    k: v[start:stop] if isinstance(v, Tensor) and v.dim() and v.shape[0] == n else v
+                    for k, v in batch.items()
+                }
+            )
+    return halves or [dict(batch)]
+
+
+def _train_window_shrinking(
+    attempt: Callable[[list[Any], Any], UpdateReport],
+    microbatches: Sequence[Mapping[str, Any]],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    meter: Any,
+    ledger: Ledger,
+    halvings: int,
+) -> tuple[UpdateReport, int]:
+    """One window under ``on_oom="shrink"``: returns its report and the halvings in force.
+
+    The window's microbatches are first cut in half ``halvings`` times (what earlier
+    windows learned). When an attempt raises ``torch.OutOfMemoryError``, the partial
+    gradients are discarded, what the attempt held is released, every microbatch is cut
+    in half again and the *same* window is retried: the same examples, the same global
+    count (denominator), so the same gradient and one update as before. Each shrink is
+    appended to ``ledger.shrinks``. Under data parallelism the replicas agree on every
+    failure (``OOMGuard``), so all of them retry together.
+
+    Raises ``CannotShrinkError`` when the failed attempt already ran one example per
+    microbatch, when the update itself ran out of memory (a smaller microbatch cannot
+    help either), or where the replicas cannot meet to agree (``OOMGuard.can_agree``:
+    inside DDP's gradient-synchronizing backward pass, or under FSDP2).
+    """
+    keep_empty = distributed.replicas_of(model) > 1
+    pieces = list(microbatches)
+    for _ in range(halvings):
+        pieces = [half for mb in pieces for half in _halve(mb, keep_empty)]
+    while True:
+        guard = OOMGuard(meter, model, len(pieces))
+        biggest = max(_rows(p) for p in pieces)
+        problem = "this replica ran out of memory"
+        try:
+            report = attempt(pieces, guard)
+        except PeerOutOfMemory as peer:
+            fatal = peer.fatal
+            problem = "another data-parallel replica ran out of memory"
+        except torch.OutOfMemoryError as exc:
+            where = guard.where
+            if not guard.can_agree():
+                raise CannotShrinkError(
+                    f"window {ledger.update_attempts}: out of memory where the replicas "
+                    f"cannot retry together ({where}: inside the gradient-synchronizing "
+                    "backward pass, or under FSDP2, whose passes run collectives); start "
+                    f"with a smaller micro_batch_size. The error was: {exc}"
+                ) from exc
+            in_update = where is not None and where[0] == "update"
+            _, fatal = guard.agree(True, in_update or biggest <= 1)
+            if in_update:
+                raise CannotShrinkError(
+                    f"window {ledger.update_attempts}: the update itself ran out of memory "
+                    "(weights + gradients + optimizer state); a smaller microbatch cannot "
+                    "help. Use a lighter optimizer, shard the state (FSDP2) or offload it"
+                ) from exc
+            if biggest <= 1:
+                raise CannotShrinkError(
+                    f"window {ledger.update_attempts}: a microbatch of one example still "
+                    "does not fit in memory, so gradient accumulation cannot help: it splits "
+                    "examples between backward passes, never one example. Use activation "
+                    "checkpointing (e.g. TinyGPT(checkpoint=True) or torch.utils.checkpoint) "
+                    f"or a shorter sequence. The error was: {exc}"
+                ) from exc
+        else:
+            oom, _ = guard.agree(False, False)
+            if not oom:
+                report.padding_microbatches = sum(distributed.is_padding(p) for p in pieces)
+                return report, halvings
+            # A peer failed after this replica's last agreement point, so this replica has
+            # already stepped: retrying would apply the window twice here.
+            fatal = True
+            problem = "another data-parallel replica ran out of memory after its backward passes"
+        del guard  # drop the failed attempt's references before collecting
+        _release_attempt(model, optimizer)
+        if fatal:
+            raise CannotShrinkError(
+                f"window {ledger.update_attempts}: {problem}, and shrinking cannot help there "
+                "(one example per microbatch, or the update itself); see that rank's error"
+            )
+        pieces = [half for mb in pieces for half in _halve(mb, keep_empty)]
+        halvings += 1
+        ledger.shrinks.append(
+            {
+                "update": ledger.update_attempts,
+                "old_micro_batch_size": biggest,
+                "new_micro_batch_size": max(_rows(p) for p in pieces),
+                "microbatches": len(pieces),
+            }
+        )
+
+
+def _release_attempt(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Free what a failed attempt held: partial gradients, unreachable graphs, cached blocks."""
+    optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)  # parameters the optimizer does not hold
+    gc.collect()
+    device = model_device(model)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def train(
     model: nn.Module,
     batches: Iterable[Mapping[str, Tensor]],
@@ -257,6 +424,7 @@ def train(
     nonfinite: Literal["skip", "raise"] = "skip",
     scheduler_per: Literal["applied", "attempt"] = "applied",
     on_update: Callable[[UpdateReport], None] | None = None,
+    on_oom: Literal["raise", "shrink"] = "raise",
 ) -> Ledger:
     """Train on an iterable of microbatches, ``plan.accumulation_steps`` per window.
 
@@ -265,41 +433,72 @@ def train(
     with ``"drop"``. ``max_updates`` stops after that many update attempts (the rest of
     the iterable is not read). ``on_update`` is called with each report. Returns the
     ledger of this replica's counts.
+
+    Precision: ``precision``, ``scaler``, ``nonfinite`` and ``scheduler_per`` mean what
+    they mean in ``train_window``. With ``precision="fp16"`` and no scaler, one
+    ``torch.amp.GradScaler`` for the model's device serves the whole run; the ledger
+    counts update attempts, applied updates and skipped ones apart.
+
+    Out of memory: ``on_oom="raise"`` lets ``torch.OutOfMemoryError`` through;
+    ``on_oom="shrink"`` retries the window with every microbatch cut in half (same
+    examples, same denominator, same update; see ``_train_window_shrinking``), keeps the
+    smaller size for later windows and records each shrink in ``ledger.shrinks``.
     """
+    if on_oom not in ("raise", "shrink"):
+        raise ValueError(f"on_oom must be 'raise' or 'shrink', got {on_oom!r}")
     if not isinstance(plan, AccumulationPlan):
         raise TypeError(f"plan must be an AccumulationPlan, got {type(plan).__name__}")
     if max_updates is not None and (isinstance(max_updates, bool) or max_updates < 1):
         raise ValueError(f"max_updates must be a positive int or None, got {max_updates!r}")
-    precision_policy(precision, model_device(model))  # fail before reading any data
-    if scaler is None and precision == "fp16":
-        scaler = torch.amp.GradScaler(model_device(model).type)
+    distributed.check_replicas(model, plan)  # plan.data_parallel_size must be the model's D
+    # Check precision and scaler before reading any data. fp16 without a scaler gets one
+    # GradScaler for the whole run, so the scale and its growth count carry across windows.
+    policy = precision_policy(precision, model_device(model))
+    if scaler is None:
+        scaler = resolve_scaler(policy, None)
+    else:
+        resolve_scaler(policy, scaler)  # wrong type or device raises; disabled under fp16 warns
 
     ledger = Ledger()
+    halvings = 0  # on_oom="shrink": how often every loader microbatch is cut in half
     total = _planned_windows(batches, plan)
     if max_updates is not None and total is not None:
         total = min(total, max_updates)
     with _progress(total, progress) as bar:
-        for window in plan.windows(batches):
-            ledger.loader_batches += len(window)
-            if not window.complete and plan.last_window == "drop":
-                counts = count_window(objective, window)
-                ledger.record_dropped(sum(_examples(mb) for mb in window), sum(counts))
+        # Under data parallelism every rank gets the same number of windows and of
+        # microbatches per window, padded with zero-target microbatches where it has fewer.
+        for window in distributed.aligned_windows(plan, batches, objective):
+            ledger.loader_batches += window.loader_batches
+            if window.dropped:
+                counts = count_window(objective, window.dropped)
+                ledger.record_dropped(sum(_examples(mb) for mb in window.dropped), sum(counts))
+            if not window.microbatches:
                 continue
-            report = train_window(
-                model,
-                window.microbatches,
-                optimizer,
-                objective,
-                scaler=scaler,
-                clip_grad_norm=clip_grad_norm,
-                scheduler=scheduler,
-                precision=precision,
-                meter=meter,
-                forward=forward,
-                nonfinite=nonfinite,
-                scheduler_per=scheduler_per,
-                index=ledger.update_attempts,
-            )
+
+            def attempt(microbatches: list[Any], window_meter: Any) -> UpdateReport:
+                return train_window(
+                    model,
+                    microbatches,
+                    optimizer,
+                    objective,
+                    scaler=scaler,
+                    clip_grad_norm=clip_grad_norm,
+                    scheduler=scheduler,
+                    precision=precision,
+                    meter=window_meter,
+                    forward=forward,
+                    nonfinite=nonfinite,
+                    scheduler_per=scheduler_per,
+                    index=ledger.update_attempts,
+                )
+
+            if on_oom == "shrink":
+                report, halvings = _train_window_shrinking(
+                    attempt, window.microbatches, model, optimizer, meter, ledger, halvings
+                )
+            else:
+                report = attempt(window.microbatches, meter)
+            report.padding_microbatches = window.padding
             ledger.record(report)
             bar.update(1)
             bar.set_postfix(loss=f"{report.loss:.3f}", refresh=False)

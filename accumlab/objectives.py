@@ -17,10 +17,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 LABELS = "labels"
+
+
+def upcast(t: Tensor) -> Tensor:
+    """``t`` in at least float32: half and bfloat16 go up to float32, float64 stays float64."""
+    return t if t.dtype == torch.float64 else t.float()
 
 
 @runtime_checkable
@@ -113,7 +119,7 @@ class NextTokenLoss:
         targets = labels[:, 1:].to(logits.device)
         predictions = logits[:, :-1]
         return F.cross_entropy(
-            predictions.reshape(-1, predictions.size(-1)).float(),
+            upcast(predictions.reshape(-1, predictions.size(-1))),
             targets.reshape(-1),
             ignore_index=self.ignore_index,
             reduction="sum",
@@ -124,11 +130,12 @@ PerExampleLoss = Callable[[Tensor, Tensor], Tensor]
 
 
 def _cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
-    return F.cross_entropy(logits.float(), labels, reduction="none")
+    return F.cross_entropy(upcast(logits), labels, reduction="none")
 
 
 def _mse(prediction: Tensor, target: Tensor) -> Tensor:
-    error = F.mse_loss(prediction.float(), target.float(), reduction="none")
+    prediction = upcast(prediction)
+    error = F.mse_loss(prediction, target.to(prediction.dtype), reduction="none")
     return error.reshape(error.size(0), -1).mean(dim=1)
 
 

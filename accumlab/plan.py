@@ -150,6 +150,32 @@ class AccumulationPlan:
         }
 
 
+def data_parallel_size(
+    world_size: int, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1
+) -> int:
+    """``D``, the data-parallel replicas among ``world_size`` processes (GPUs).
+
+    Processes that hold parts of one model copy, through tensor parallelism (a layer split
+    over ``tensor_parallel_size`` GPUs) or pipeline parallelism (the layers split over
+    ``pipeline_parallel_size`` stages), see the same examples, so they are not extra
+    replicas: ``D = world_size / (tensor_parallel_size × pipeline_parallel_size)``. For
+    plain DDP or FSDP2, ``D`` is the world size. Raises ``ValueError`` when the sizes do
+    not divide the world.
+    """
+    _check_positive_int("world_size", world_size)
+    _check_positive_int("tensor_parallel_size", tensor_parallel_size)
+    _check_positive_int("pipeline_parallel_size", pipeline_parallel_size)
+    per_replica = tensor_parallel_size * pipeline_parallel_size
+    replicas, remainder = divmod(world_size, per_replica)
+    if remainder or replicas == 0:
+        raise ValueError(
+            f"world_size={world_size} is not a multiple of tensor_parallel_size × "
+            f"pipeline_parallel_size = {tensor_parallel_size} × {pipeline_parallel_size} = "
+            f"{per_replica}: every model copy needs all of its {per_replica} processes"
+        )
+    return replicas
+
+
 def describe(plan: AccumulationPlan | Mapping[str, int]) -> str:
     """One line a reader can check: ``m × A × D = effective``."""
     if isinstance(plan, Mapping):

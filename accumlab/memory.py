@@ -1,0 +1,742 @@
+"""Where the memory of a window goes, measured per device, and an optional budget.
+
+A window's memory has four parts (notebook 05): the **weights** (live before the first
+microbatch), the **activations** a microbatch's forward pass saves for its backward pass
+(they grow with the microbatch size ``m``), the **gradients** (created by the first backward
+pass, kept until the update clears them) and the **optimizer state** (created at the first
+update, kept from then on). ``MemoryMeter`` measures them phase by phase:
+
+- on CUDA it reads the caching allocator's counters (``torch.cuda.memory_allocated`` and the
+  peak since ``torch.cuda.reset_peak_memory_stats``), and can export an allocator snapshot;
+- on CPU, which has no allocator counters, it counts the bytes of live tensor *storages*: a
+  ``TorchDispatchMode`` sees every storage an operator creates or reads while a phase runs,
+  and a ``weakref.finalize`` on each storage removes its bytes when it is really freed (views
+  share a storage and count once).
+
+On both devices a ``saved_tensors_hooks`` pair measures the bytes each forward pass saves
+for backward, deduplicated by storage. With ``budget_bytes`` the meter raises
+``torch.OutOfMemoryError`` when an operator would take the tracked live bytes above the
+budget, so out-of-memory handling (``train(..., on_oom="shrink")``) is real code that runs
+and is tested on a CPU.
+
+All sizes are in bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from . import distributed
+
+__all__ = [
+    "CannotShrinkError",
+    "MemoryMeter",
+    "OOMGuard",
+    "PeerOutOfMemory",
+    "PhaseRecord",
+    "WindowRecord",
+    "format_bytes",
+    "plot_breakdown",
+    "plot_window",
+]
+
+def format_bytes(n: int | float) -> str:
+    """``n`` bytes in binary units with 1 decimal, e.g. ``format_bytes(1536) == '1.5 KiB'``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class PhaseRecord:
+    """One phase of a window, in bytes on the meter's device.
+
+    ``start_bytes``/``end_bytes`` are the live bytes at entry and exit; ``peak_bytes`` the
+    highest live bytes while it ran. ``kept_bytes`` (CPU only, ``None`` on CUDA) counts bytes
+    allocated during the phase and still live at its end: activations and output for a
+    forward pass, new gradients for the first backward pass, optimizer state for the first
+    update. ``saved_bytes`` (forward passes only) counts the bytes autograd saved for the
+    backward pass, storages of trainable parameters excluded, each storage once.
+    ``failed`` is True when an exception (an out-of-memory error) ended the phase.
+    """
+
+    window: int
+    name: str
+    microbatch: int | None
+    start_bytes: int
+    end_bytes: int
+    peak_bytes: int
+    kept_bytes: int | None = None
+    saved_bytes: int | None = None
+    failed: bool = False
+
+    @property
+    def net_bytes(self) -> int:
+        """``end_bytes - start_bytes``: what the phase left behind (negative when it freed)."""
+        return self.end_bytes - self.start_bytes
+
+
+@dataclass
+class WindowRecord:
+    """The phases of one window (one update attempt) as the meter saw them.
+
+    ``baseline_bytes`` is what was live before the first microbatch: the weights, the
+    optimizer state once it exists, anything else still referenced (a leak shows up here,
+    growing window after window). ``complete`` is True once an ``"update"`` phase finished
+    without an exception; a window cut short by an out-of-memory error stays incomplete.
+    """
+
+    index: int
+    baseline_bytes: int
+    phases: list[PhaseRecord] = field(default_factory=list)
+    complete: bool = False
+
+    @property
+    def peak_bytes(self) -> int:
+        """The highest live bytes in any phase of the window (the baseline if none ran)."""
+        return max([self.baseline_bytes, *(p.peak_bytes for p in self.phases)])
+
+    @property
+    def saved_bytes(self) -> list[int]:
+        """Bytes saved for backward by each forward pass of the window, in order."""
+        return [p.saved_bytes or 0 for p in self.phases if p.name == "forward"]
+
+    def phase(self, name: str, microbatch: int | None = None) -> PhaseRecord:
+        """The first record of phase ``name`` (and ``microbatch``, when given)."""
+        for p in self.phases:
+            if p.name == name and (microbatch is None or p.microbatch == microbatch):
+                return p
+        raise KeyError(f"window {self.index} has no phase {name!r} (microbatch {microbatch})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "baseline_bytes": self.baseline_bytes,
+            "peak_bytes": self.peak_bytes,
+            "complete": self.complete,
+            "saved_bytes": self.saved_bytes,
+            "phases": [asdict(p) for p in self.phases],
+        }
+
+
+class CannotShrinkError(torch.OutOfMemoryError):
+    """An out-of-memory error that a smaller microbatch cannot fix (raised by
+    ``train(..., on_oom="shrink")``): one example does not fit, or the update itself
+    (weights, gradients and optimizer state) does not."""
+
+
+class PeerOutOfMemory(torch.OutOfMemoryError):
+    """Raised on a replica whose peer ran out of memory, so that all replicas retry together."""
+
+    def __init__(self, fatal: bool) -> None:
+        super().__init__("another data-parallel replica ran out of memory in this window")
+        self.fatal = fatal
+
+
+def _device_of(device: torch.device | str | int) -> torch.device:
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(
+            f"device must be a torch.device, a string such as 'cpu' or 'cuda:0', or a CUDA "
+            f"index, got {type(device).__name__}"
+        )
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"MemoryMeter measures 'cpu' or 'cuda' devices, got {dev.type!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {dev} requested but CUDA is not available; use MemoryMeter('cpu')"
+            )
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _storage_of(t: Tensor) -> tuple[int, Any] | None:
+    """``(key, storage)``: the key is the address of the C++ StorageImpl, unique among live
+    storages; None for tensors without a plain storage (sparse, nested, wrappers)."""
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return storage._cdata, storage
+
+
+def _is_trainable_weight(t: Tensor) -> bool:
+    """True for a trainable parameter or a view of one (``weight.t()`` saved by a linear)."""
+    base = t._base if t._base is not None else t
+    return bool(base.is_leaf and base.requires_grad)
+
+
+class _Tracker(TorchDispatchMode):
+    """Sees every operator while active and hands inputs and outputs to the meter."""
+
+    def __init__(self, meter: MemoryMeter) -> None:
+        super().__init__()
+        self.meter = meter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        meter = self.meter
+        inputs: set[int] = set()
+        if meter._counts_storages:
+            found = meter._keys(tree_leaves((args, kwargs)), with_weight_flag=True)
+            inputs = {key for key, _, _ in found}
+            meter._discover_found([(k, s) for k, s, weight in found if weight])
+        out = func(*args, **kwargs)
+        meter._after_op(tree_leaves(out), inputs)
+        return out
+
+
+def _release(meter_ref: weakref.ReferenceType[MemoryMeter], key: int) -> None:
+    meter = meter_ref()
+    if meter is not None:
+        meter._forget(key)
+
+
+class MemoryMeter:
+    """Memory of a window, phase by phase, on one device (``"cpu"`` or ``"cuda:N"``).
+
+    Pass it to ``train(..., meter=meter)`` or ``train_window(..., meter=meter)``; the loop
+    enters ``meter.phase("forward", i)`` and ``meter.phase("backward", i)`` for every
+    microbatch ``i`` and ``meter.phase("update")`` once per window. Each window gets a
+    :class:`WindowRecord`: its baseline (live bytes before the first microbatch) and one
+    :class:`PhaseRecord` per phase (live bytes at entry and exit, peak, bytes saved for
+    backward).
+
+    What "live bytes" means depends on the device:
+
+    - **CUDA**: ``torch.cuda.memory_allocated(device)``, every tensor the process holds on
+      that GPU; the peak of a phase is ``torch.cuda.max_memory_allocated`` after a
+      ``reset_peak_memory_stats`` at its entry (this resets the process-wide peak counter).
+    - **CPU**: the bytes of the tensor storages the meter has seen and that are still alive.
+      While a phase runs (or inside ``meter.track()``) a dispatch mode registers every storage
+      an operator creates and every trainable parameter an operator reads; a storage stops
+      counting when it is freed, whenever that happens. Parameters first read during a window
+      count toward that window's baseline (they existed before it). Tensors created outside
+      tracking that are not trainable parameters (the input batches a loader made, frozen
+      weights, buffers) are not counted unless you ``watch()`` them. Process RSS is not used:
+      it is too noisy (the allocator keeps freed pages, the interpreter allocates too).
+
+    ``budget_bytes``: when an operator would take the live bytes above it, the meter raises
+    ``torch.OutOfMemoryError`` (on CPU before registering the operator's outputs, which are
+    then freed; on CUDA right after the operator, whose outputs are freed as the error
+    unwinds). ``peak_bytes`` is the highest live bytes since creation or ``reset()``.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str | int = "cpu",
+        budget_bytes: int | None = None,
+        *,
+        track_saved: bool = True,
+        record_history: bool = False,
+    ) -> None:
+        self.device = _device_of(device)
+        if budget_bytes is not None and (
+            isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
+        ):
+            raise TypeError(
+                f"budget_bytes must be an int number of bytes or None, got {budget_bytes!r}"
+            )
+        if budget_bytes is not None and budget_bytes < 1:
+            raise ValueError(f"budget_bytes must be positive (bytes) or None, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self.track_saved = bool(track_saved)
+        self._cuda = self.device.type == "cuda"
+        self._counts_storages = not self._cuda
+        self._lock = threading.RLock()
+        self._sizes: dict[int, int] = {}  # storage key -> bytes, CPU only
+        self._live = 0
+        self._peak = 0
+        self._windows: list[WindowRecord] = []
+        self._open: WindowRecord | None = None  # the window whose update has not finished
+        self._phase: PhaseRecord | None = None
+        self._phase_new: set[int] = set()
+        self._saved_keys: set[int] = set()
+        self._depth = 0
+        self._mode: _Tracker | None = None
+        self._self_ref = weakref.ref(self)
+        if record_history:
+            if not self._cuda:
+                raise ValueError(
+                    "record_history=True needs a CUDA device: allocator snapshots exist only "
+                    "for the CUDA caching allocator; on CPU read meter.report() instead"
+                )
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        self.reset()
+
+    # -- public reading ----------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        budget = "None" if self.budget_bytes is None else format_bytes(self.budget_bytes)
+        return (
+            f"MemoryMeter(device={str(self.device)!r}, live={format_bytes(self.live_bytes)}, "
+            f"peak={format_bytes(self.peak_bytes)}, budget={budget}, "
+            f"windows={len(self._windows)})"
+        )
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes live now (CUDA: allocated on the device; CPU: tracked storages alive)."""
+        if self._cuda:
+            return int(torch.cuda.memory_allocated(self.device))
+        return self._live
+
+    @property
+    def peak_bytes(self) -> int:
+        """The highest live bytes seen since creation or the last ``reset()`` (an int)."""
+        if self._cuda:
+            return max(self._peak, int(torch.cuda.max_memory_allocated(self.device)))
+        return self._peak
+
+    @property
+    def windows(self) -> list[WindowRecord]:
+        """One record per window seen since the last ``reset()``, failed attempts included."""
+        return list(self._windows)
+
+    @property
+    def last_window(self) -> WindowRecord:
+        """The most recent window record (``LookupError`` before any)."""
+        if not self._windows:
+            raise LookupError("the meter has not seen a window yet; run a phase first")
+        return self._windows[-1]
+
+    def reset(self) -> None:
+        """Forget windows and start the peak again from the bytes live now.
+
+        Storages already tracked keep counting until they are freed.
+        """
+        with self._lock:
+            self._windows = []
+            self._open = None
+            if self._cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self._peak = self.live_bytes
+
+    # -- tracking ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[MemoryMeter]:
+        """Track allocations (and enforce the budget) in this block, outside any phase."""
+        self._enter_mode()
+        try:
+            yield self
+        finally:
+            self._exit_mode()
+
+    def watch(self, *objects: nn.Module | torch.optim.Optimizer | Tensor) -> int:
+        """Count storages that already exist: a module's parameters, buffers and gradients,
+        an optimizer's state, or tensors. Returns the bytes added (already tracked ones are
+        not added twice). Trainable parameters are found anyway when an operator reads them;
+        watch frozen weights, buffers, optimizer state created before the meter, or input
+        data you want counted. No-op on CUDA, where the allocator sees everything."""
+        if self._cuda:
+            return 0
+        tensors: list[Tensor] = []
+        for obj in objects:
+            if isinstance(obj, nn.Module):
+                for p in obj.parameters():
+                    tensors.append(p)
+                    if p.grad is not None:
+                        tensors.append(p.grad)
+                tensors.extend(obj.buffers())
+            elif isinstance(obj, torch.optim.Optimizer):
+                tensors.extend(
+                    t for state in obj.state.values() for t in tree_leaves(state)
+                    if isinstance(t, Tensor)
+                )
+            elif isinstance(obj, Tensor):
+                tensors.append(obj)
+            else:
+                raise TypeError(
+                    f"watch() takes modules, optimizers or tensors, got {type(obj).__name__}"
+                )
+        before = self._live
+        self._discover(tensors)
+        return self._live - before
+
+    @contextlib.contextmanager
+    def phase(self, name: str, microbatch: int | None = None) -> Iterator[PhaseRecord]:
+        """Measure one phase; the loop's phases are ``"forward"``/``"backward"`` (with the
+        microbatch index) and ``"update"``. A window starts at ``("forward", 0)`` or at the
+        first phase after an update; its baseline is the live bytes at that moment.
+        An exception inside the phase is recorded (``failed=True``) and re-raised."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"phase name must be a non-empty string, got {name!r}")
+        if self._phase is not None:
+            raise RuntimeError(
+                f"phase {name!r} entered while phase {self._phase.name!r} is still open; "
+                "phases of one meter do not nest"
+            )
+        with self._lock:
+            if self._open is None or (name == "forward" and microbatch == 0):
+                self._open = WindowRecord(len(self._windows), self.live_bytes)
+                self._windows.append(self._open)
+            if self._cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            live = self.live_bytes
+            record = PhaseRecord(self._open.index, name, microbatch, live, live, live)
+            self._phase = record
+            self._phase_new = set()
+            self._saved_keys = set()
+            if name == "forward" and self.track_saved:
+                record.saved_bytes = 0
+        hooks = (
+            torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+            if record.saved_bytes is not None
+            else contextlib.nullcontext()
+        )
+        self._enter_mode()
+        try:
+            with hooks:
+                yield record
+        except BaseException:
+            record.failed = True
+            raise
+        finally:
+            self._exit_mode()
+            with self._lock:
+                self._close_phase(record)
+
+    def _close_phase(self, record: PhaseRecord) -> None:
+        window = self._open
+        if self._cuda:
+            record.peak_bytes = max(record.peak_bytes, int(torch.cuda.max_memory_allocated(self.device)))
+        record.end_bytes = self.live_bytes
+        record.peak_bytes = max(record.peak_bytes, record.end_bytes)
+        if not self._cuda:
+            record.kept_bytes = sum(self._sizes.get(k, 0) for k in self._phase_new)
+        self._peak = max(self._peak, record.peak_bytes)
+        self._phase = None
+        self._phase_new = set()
+        self._saved_keys = set()
+        if window is not None:
+            window.phases.append(record)
+            if record.name == "update":
+                window.complete = not record.failed
+                self._open = None
+
+    def _enter_mode(self) -> None:
+        needs_mode = self._counts_storages or self.budget_bytes is not None
+        self._depth += 1
+        if self._depth == 1 and needs_mode:
+            self._mode = _Tracker(self)
+            self._mode.__enter__()
+
+    def _exit_mode(self) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    # -- called by the dispatch mode -----------------------------------------------------------
+
+    def _keys(self, leaves: Sequence[Any], with_weight_flag: bool = False) -> list[Any]:
+        """``(key, storage)`` of each plain tensor on this device, or ``(key, storage,
+        is_trainable_weight)`` with ``with_weight_flag``."""
+        found: list[Any] = []
+        for t in leaves:
+            if isinstance(t, Tensor) and t.device == self.device and t.layout == torch.strided:
+                key = _storage_of(t)
+                if key is not None:
+                    found.append((*key, _is_trainable_weight(t)) if with_weight_flag else key)
+        return found
+
+    def _register(self, key: int, storage: Any, nbytes: int) -> None:
+        self._sizes[key] = nbytes
+        self._live += nbytes
+        weakref.finalize(storage, _release, self._self_ref, key).atexit = False
+
+    def _discover(self, leaves: Sequence[Any]) -> None:
+        self._discover_found(self._keys(leaves))
+
+    def _discover_found(self, found: Sequence[tuple[int, Any]]) -> None:
+        """Count storages that existed before tracking saw them (``watch``, or trainable
+        parameters an operator reads)."""
+        if not found:
+            return
+        with self._lock:
+            added = 0
+            for key, storage in found:
+                if key not in self._sizes:
+                    nbytes = int(storage.nbytes())
+                    self._register(key, storage, nbytes)
+                    added += nbytes
+            if added:
+                # They were live before this window began: shift its records up.
+                window = self._open
+                if window is not None:
+                    window.baseline_bytes += added
+                    for p in window.phases:
+                        p.start_bytes += added
+                        p.end_bytes += added
+                        p.peak_bytes += added
+                if self._phase is not None:
+                    self._phase.start_bytes += added
+                    self._phase.peak_bytes = max(self._phase.peak_bytes + added, self._live)
+                self._peak = max(self._peak, self._live)
+
+    def _after_op(self, leaves: Sequence[Any], inputs: set[int]) -> None:
+        """Register an operator's new output storages; an output that shares an input's
+        storage (a view, an in-place result) is not new, tracked or not."""
+        if self._cuda:
+            used = int(torch.cuda.memory_allocated(self.device))
+            if self.budget_bytes is not None and used > self.budget_bytes:
+                self._raise_oom(used)
+            return
+        with self._lock:
+            new: dict[int, tuple[Any, int]] = {}
+            grown = 0
+            for key, storage in self._keys(leaves):
+                nbytes = int(storage.nbytes())
+                if key in self._sizes:
+                    grown += nbytes - self._sizes[key]  # resized in place
+                    if nbytes != self._sizes[key]:
+                        self._sizes[key] = nbytes
+                elif key not in new and key not in inputs:
+                    new[key] = (storage, nbytes)
+            total = self._live + grown + sum(n for _, n in new.values())
+            if self.budget_bytes is not None and total > self.budget_bytes and new:
+                self._live += grown
+                self._raise_oom(total)
+            self._live += grown
+            for key, (storage, nbytes) in new.items():
+                self._register(key, storage, nbytes)
+                self._phase_new.add(key)
+            if self._phase is not None and self._live > self._phase.peak_bytes:
+                self._phase.peak_bytes = self._live
+            if self._live > self._peak:
+                self._peak = self._live
+
+    def _raise_oom(self, would_be: int) -> None:
+        where = "" if self._phase is None else f" in phase {self._phase.name!r}" + (
+            "" if self._phase.microbatch is None else f" of microbatch {self._phase.microbatch}"
+        )
+        raise torch.OutOfMemoryError(
+            f"MemoryMeter budget exceeded on {self.device}{where}: the live bytes would be "
+            f"{would_be} ({format_bytes(would_be)}), above budget_bytes={self.budget_bytes} "
+            f"({format_bytes(self.budget_bytes or 0)})"
+        )
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            nbytes = self._sizes.pop(key, None)
+            if nbytes is not None:
+                self._live -= nbytes
+
+    def _pack(self, t: Tensor) -> Tensor:
+        record = self._phase
+        if record is not None and record.saved_bytes is not None and t.device == self.device:
+            found = _storage_of(t)
+            if found is not None and not _is_trainable_weight(t):
+                key, storage = found
+                if key not in self._saved_keys:
+                    self._saved_keys.add(key)
+                    record.saved_bytes += int(storage.nbytes())
+        # A detached alias, not ``t`` itself: a saved *output* handed back as-is would form
+        # a tensor -> grad_fn -> saved tensor cycle that keeps an abandoned graph alive.
+        return t.detach()
+
+    # -- reports ---------------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        """Everything measured, as plain JSON-ready values (bytes): device, method, budget,
+        peak and live bytes, and every window with its phases."""
+        return {
+            "device": str(self.device),
+            "method": "cuda caching allocator counters"
+            if self._cuda
+            else "tracked tensor storages (TorchDispatchMode + weakref.finalize)",
+            "budget_bytes": self.budget_bytes,
+            "peak_bytes": self.peak_bytes,
+            "live_bytes": self.live_bytes,
+            "windows": [w.to_dict() for w in self._windows],
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """The compact form a ``RunRecord`` keeps: the first window's baseline, the last
+        complete window's baseline (``steady_baseline_bytes``, optimizer state included),
+        the overall peak, and per phase name the highest bytes at entry and the peak."""
+        phases: dict[str, dict[str, int]] = {}
+        for w in self._windows:
+            for p in w.phases:
+                row = phases.setdefault(p.name, {"start_bytes": 0, "peak_bytes": 0})
+                row["start_bytes"] = max(row["start_bytes"], p.start_bytes)
+                row["peak_bytes"] = max(row["peak_bytes"], p.peak_bytes)
+        complete = [w for w in self._windows if w.complete]
+        return {
+            "device": str(self.device),
+            "baseline_bytes": self._windows[0].baseline_bytes if self._windows else None,
+            "steady_baseline_bytes": complete[-1].baseline_bytes if complete else None,
+            "peak_bytes": self.peak_bytes,
+            "budget_bytes": self.budget_bytes,
+            "phases": phases,
+        }
+
+    def export_snapshot(self, path: str) -> str:
+        """Write the CUDA allocator's snapshot (needs ``record_history=True``) to ``path``
+        for https://pytorch.org/memory_viz; returns ``path``. CPU meters raise ValueError."""
+        if not self._cuda:
+            raise ValueError(
+                "export_snapshot() needs a CUDA meter: allocator snapshots exist only for "
+                "the CUDA caching allocator; on CPU use meter.report()"
+            )
+        torch.cuda.memory._dump_snapshot(path)
+        return path
+
+    def plot(self, window: int = -1, ax: Any = None) -> Any:
+        """Plot one window's phases (see :func:`plot_window`); returns the axes."""
+        return plot_window(self.windows[window], ax=ax)
+
+
+def _unpack(t: Tensor) -> Tensor:
+    return t
+
+
+# -- plots -----------------------------------------------------------------------------------
+
+
+def plot_window(window: WindowRecord, ax: Any = None) -> Any:
+    """Bars of live bytes at each phase's entry and its peak, baseline first (MiB)."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 3))
+    labels = ["baseline"] + [
+        p.name if p.microbatch is None else f"{p.name[0]}{p.microbatch}" for p in window.phases
+    ]
+    start = [window.baseline_bytes] + [p.start_bytes for p in window.phases]
+    peak = [window.baseline_bytes] + [p.peak_bytes for p in window.phases]
+    mib = 2**20
+    xs = range(len(labels))
+    ax.bar(xs, [b / mib for b in peak], color="tab:orange", label="peak in phase")
+    ax.bar(xs, [b / mib for b in start], color="tab:blue", label="live at entry")
+    ax.set_xticks(list(xs), labels, rotation=0, fontsize=8)
+    ax.set_ylabel("MiB")
+    ax.set_title(f"window {window.index}: f = forward, b = backward (microbatch index)")
+    ax.legend(loc="upper left", fontsize=8)
+    return ax
+
+
+def plot_breakdown(rows: Sequence[dict[str, Any]], ax: Any = None) -> Any:
+    """Stacked bars, one per row: ``weights``, ``gradients``, ``optimizer_state`` and
+    ``activations`` (activations and temporaries) bytes under the row's ``label`` (e.g.
+    ``"m=4 × A=2"``), drawn in MiB; returns the axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.5))
+    parts = [
+        ("weights", "tab:gray", "weights"),
+        ("gradients", "tab:green", "gradients"),
+        ("optimizer_state", "tab:purple", "optimizer state"),
+        ("activations", "tab:orange", "activations and temporaries"),
+    ]
+    xs = list(range(len(rows)))
+    bottom = [0.0] * len(rows)
+    for key, color, label in parts:
+        heights = [r[key] / 2**20 for r in rows]
+        ax.bar(xs, heights, bottom=bottom, color=color, label=label)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ax.set_xticks(xs, [r["label"] for r in rows])
+    ax.set_ylabel("peak MiB")
+    ax.legend(fontsize=8)
+    return ax
+
+
+# -- out-of-memory agreement across replicas ---------------------------------------------------
+
+
+class OOMGuard:
+    """Wraps a meter for one update attempt under ``on_oom="shrink"``.
+
+    It remembers the phase each out-of-memory error came from (an error in the update
+    cannot be fixed by a smaller microbatch), and under DDP (``D > 1``) it makes the
+    replicas agree before every point where they would otherwise part ways: the last
+    microbatch's backward pass (DDP all-reduces gradients there), the last forward pass,
+    and every forward pass when DDP broadcasts buffers at each forward. A replica that ran
+    out of memory calls :meth:`agree` with ``oom=True`` instead of reaching its next
+    agreement point; the others meet it there, see the flag and stop with
+    ``PeerOutOfMemory``. Every replica then retries the window with the same plan, and no
+    rank waits on a collective the others skipped.
+
+    Cost: two or ``A + 1`` small all-reduces per window (none when ``D == 1``). Limits, where
+    :meth:`can_agree` is False and ``train`` raises instead: an error inside the last,
+    gradient-synchronizing backward pass (the peers' all-reduce is already under way), and
+    any error under FSDP2, whose forward and backward passes gather and scatter the
+    parameters as they go.
+    """
+
+    def __init__(self, inner: Any, model: nn.Module, microbatches: int) -> None:
+        self.inner = inner
+        self.replicas = distributed.replicas_of(model)
+        self.ddp = isinstance(model, DistributedDataParallel)
+        self.group = getattr(model, "process_group", None) if self.ddp else None
+        broadcasts = getattr(model, "will_sync_module_buffers", None)
+        self.every_forward = self.ddp and bool(broadcasts() if callable(broadcasts) else True)
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.last = microbatches - 1
+        self.where: tuple[str, int | None] | None = None
+        self.completed: set[tuple[str, int | None]] = set()
+
+    def _agrees_at(self, name: str, microbatch: int | None) -> bool:
+        if not self.ddp or self.replicas == 1 or name not in ("forward", "backward"):
+            return False
+        return microbatch == self.last or (name == "forward" and self.every_forward)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, microbatch: int | None = None) -> Iterator[Any]:
+        """The inner meter's phase, preceded by an agreement where the replicas could part."""
+        if self._agrees_at(name, microbatch):
+            oom, fatal = self.agree(False, False)
+            if oom:
+                raise PeerOutOfMemory(fatal)
+        self.where = (name, microbatch)
+        inner = self.inner.phase(name, microbatch) if self.inner is not None else _null()
+        with inner as record:
+            yield record
+        self.completed.add((name, microbatch))
+
+    def agree(self, oom: bool, fatal: bool) -> tuple[bool, bool]:
+        """``(any replica ran out of memory, any replica cannot be helped by shrinking)``;
+        one all-reduce (MAX) when ``D > 1``, the local flags otherwise."""
+        if self.replicas == 1:
+            return oom, fatal
+        flags = torch.tensor([int(oom), int(fatal)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flags[0].item()), bool(flags[1].item())
+
+    def can_agree(self) -> bool:
+        """False when the replicas cannot meet at an agreement point after this error:
+        under FSDP2, or inside the last (gradient-synchronizing) backward pass of a DDP
+        window, whose all-reduce is already in flight on the other replicas."""
+        if self.replicas == 1:
+            return True
+        if not self.ddp:
+            return False
+        in_sync_backward = (
+            self.where == ("backward", self.last)
+            and ("backward", self.last) not in self.completed
+        )
+        return not in_sync_backward
+
+
+@contextlib.contextmanager
+def _null() -> Iterator[None]:
+    yield None
