@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 export MPLBACKEND := Agg
 export PYTHONHASHSEED := 0
 TEST_ENV := TQDM_DISABLE=1 OMP_NUM_THREADS=1
-NOTEBOOKS ?= $(sorted $(wildcard notebooks/[0-9]*.ipynb))
+NOTEBOOKS ?= $(sort $(wildcard notebooks/[0-9]*.ipynb))
 
 .PHONY: lab test unit nbval lint notebooks bench clean
 
