@@ -10,7 +10,6 @@ windows from an iterable of microbatches and keeps the ledger.
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -22,8 +21,8 @@ from torch import Tensor, nn
 
 from . import distributed
 from .ledger import Ledger, UpdateReport
-from .memory import CannotShrinkError, OOMGuard, PeerOutOfMemory
 from .objectives import Objective, count_window, upcast
+from .oom import train_window_shrinking
 from .plan import AccumulationPlan
 from .precision import gradients_finite, parameters_of, precision_policy, resolve_scaler
 
@@ -119,17 +118,12 @@ def accumulate(
     return Accumulated(counts, total, replicas, float(loss_sum), len(microbatches))
 
 
-def grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None = None) -> float:
-    """L2 norm of all gradients together; with ``max_norm``, also clip them to it.
-
-    Returns the norm before clipping (``inf``/``nan`` when a gradient is non-finite).
-    """
+def grad_norm(parameters: Iterable[nn.Parameter]) -> float:
+    """L2 norm of all gradients together, in float32 or wider (``inf``/``nan`` when an entry is)."""
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return 0.0
-    if max_norm is not None:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    norms = torch.stack([torch.linalg.vector_norm(p.grad.detach().float()) for p in params])
+    norms = torch.stack([torch.linalg.vector_norm(upcast(p.grad.detach())) for p in params])
     return float(torch.linalg.vector_norm(norms))
 
 
@@ -227,12 +221,14 @@ def train_window(
     with _phase(meter, "update"):
         if scaler is not None:
             scaler.unscale_(optimizer)  # once, after the last contribution
-        # Per tensor, after unscaling: the only reliable signal. scaler.step returns the
-        # optimizer's own return value (None either way), and the norm of large finite
-        # gradients overflows to inf.
-        finite = gradients_finite(parameters_of(model, optimizer))
-        # Clip only a finite gradient: clipping inf/nan would turn every entry into nan.
-        report.grad_norm = grad_norm(model.parameters(), clip_grad_norm if finite else None)
+        params = parameters_of(model, optimizer)
+        report.grad_norm = grad_norm(params)
+        # A finite norm proves every entry finite. A non-finite norm may be an overflow of
+        # large finite entries, so only then look tensor by tensor. (scaler.step returns
+        # the optimizer's own return value, None either way: it cannot tell.)
+        finite = math.isfinite(report.grad_norm) or gradients_finite(params)
+        if finite and clip_grad_norm is not None:  # clipping inf/nan would make every entry nan
+            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
         if scaler is not None:
             # An unscaled gradient that is finite was finite when scaled, so the scaler
             # agrees and steps. A non-finite one is never handed to scaler.step: the
@@ -280,132 +276,6 @@ def _planned_windows(batches: Iterable[Any], plan: AccumulationPlan) -> int | No
     return full + (1 if rest and plan.last_window == "update" else 0)
 
 
-def _rows(batch: Mapping[str, Any]) -> int:
-    labels = batch["labels"]
-    return int(labels.shape[0]) if labels.dim() else 0
-
-
-def _halve(batch: Mapping[str, Any], keep_empty: bool) -> list[dict[str, Any]]:
-    """Cut a microbatch into its first ``ceil(n/2)`` and last ``floor(n/2)`` examples.
-
-    Every tensor whose first dimension is the batch size is cut; anything else is shared.
-    An empty half is dropped unless ``keep_empty`` (data parallelism: every rank must run
-    the same number of microbatches, and a zero-row microbatch adds nothing).
-    """
-    n = _rows(batch)
-    cut = (n + 1) // 2
-    halves = []
-    for start, stop in ((0, cut), (cut, n)):
-        if stop > start or keep_empty:
-            halves.append(
-                {
-                    k: v[start:stop] if isinstance(v, Tensor) and v.dim() and v.shape[0] == n else v
-                    for k, v in batch.items()
-                }
-            )
-    return halves or [dict(batch)]
-
-
-def _train_window_shrinking(
-    attempt: Callable[[list[Any], Any], UpdateReport],
-    microbatches: Sequence[Mapping[str, Any]],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    meter: Any,
-    ledger: Ledger,
-    halvings: int,
-) -> tuple[UpdateReport, int]:
-    """One window under ``on_oom="shrink"``: returns its report and the halvings in force.
-
-    The window's microbatches are first cut in half ``halvings`` times (what earlier
-    windows learned). When an attempt raises ``torch.OutOfMemoryError``, the partial
-    gradients are discarded, what the attempt held is released, every microbatch is cut
-    in half again and the *same* window is retried: the same examples, the same global
-    count (denominator), so the same gradient and one update as before. Each shrink is
-    appended to ``ledger.shrinks``. Under data parallelism the replicas agree on every
-    failure (``OOMGuard``), so all of them retry together.
-
-    Raises ``CannotShrinkError`` when the failed attempt already ran one example per
-    microbatch, when the update itself ran out of memory (a smaller microbatch cannot
-    help either), or where the replicas cannot meet to agree (``OOMGuard.can_agree``:
-    inside DDP's gradient-synchronizing backward pass, or under FSDP2).
-    """
-    keep_empty = distributed.replicas_of(model) > 1
-    pieces = list(microbatches)
-    for _ in range(halvings):
-        pieces = [half for mb in pieces for half in _halve(mb, keep_empty)]
-    while True:
-        guard = OOMGuard(meter, model, len(pieces))
-        biggest = max(_rows(p) for p in pieces)
-        problem = "this replica ran out of memory"
-        try:
-            report = attempt(pieces, guard)
-        except PeerOutOfMemory as peer:
-            fatal = peer.fatal
-            problem = "another data-parallel replica ran out of memory"
-        except torch.OutOfMemoryError as exc:
-            where = guard.where
-            if not guard.can_agree():
-                raise CannotShrinkError(
-                    f"window {ledger.update_attempts}: out of memory where the replicas "
-                    f"cannot retry together ({where}: inside the gradient-synchronizing "
-                    "backward pass, or under FSDP2, whose passes run collectives); start "
-                    f"with a smaller micro_batch_size. The error was: {exc}"
-                ) from exc
-            in_update = where is not None and where[0] == "update"
-            _, fatal = guard.agree(True, in_update or biggest <= 1)
-            if in_update:
-                raise CannotShrinkError(
-                    f"window {ledger.update_attempts}: the update itself ran out of memory "
-                    "(weights + gradients + optimizer state); a smaller microbatch cannot "
-                    "help. Use a lighter optimizer, shard the state (FSDP2) or offload it"
-                ) from exc
-            if biggest <= 1:
-                raise CannotShrinkError(
-                    f"window {ledger.update_attempts}: a microbatch of one example still "
-                    "does not fit in memory, so gradient accumulation cannot help: it splits "
-                    "examples between backward passes, never one example. Use activation "
-                    "checkpointing (e.g. TinyGPT(checkpoint=True) or torch.utils.checkpoint) "
-                    f"or a shorter sequence. The error was: {exc}"
-                ) from exc
-        else:
-            oom, _ = guard.agree(False, False)
-            if not oom:
-                report.padding_microbatches = sum(distributed.is_padding(p) for p in pieces)
-                return report, halvings
-            # A peer failed after this replica's last agreement point, so this replica has
-            # already stepped: retrying would apply the window twice here.
-            fatal = True
-            problem = "another data-parallel replica ran out of memory after its backward passes"
-        del guard  # drop the failed attempt's references before collecting
-        _release_attempt(model, optimizer)
-        if fatal:
-            raise CannotShrinkError(
-                f"window {ledger.update_attempts}: {problem}, and shrinking cannot help there "
-                "(one example per microbatch, or the update itself); see that rank's error"
-            )
-        pieces = [half for mb in pieces for half in _halve(mb, keep_empty)]
-        halvings += 1
-        ledger.shrinks.append(
-            {
-                "update": ledger.update_attempts,
-                "old_micro_batch_size": biggest,
-                "new_micro_batch_size": max(_rows(p) for p in pieces),
-                "microbatches": len(pieces),
-            }
-        )
-
-
-def _release_attempt(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Free what a failed attempt held: partial gradients, unreachable graphs, cached blocks."""
-    optimizer.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)  # parameters the optimizer does not hold
-    gc.collect()
-    device = model_device(model)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def train(
     model: nn.Module,
     batches: Iterable[Mapping[str, Tensor]],
@@ -441,7 +311,7 @@ def train(
 
     Out of memory: ``on_oom="raise"`` lets ``torch.OutOfMemoryError`` through;
     ``on_oom="shrink"`` retries the window with every microbatch cut in half (same
-    examples, same denominator, same update; see ``_train_window_shrinking``), keeps the
+    examples, same denominator, same update; see ``accumlab.oom``), keeps the
     smaller size for later windows and records each shrink in ``ledger.shrinks``.
     """
     if on_oom not in ("raise", "shrink"):
@@ -493,7 +363,7 @@ def train(
                 )
 
             if on_oom == "shrink":
-                report, halvings = _train_window_shrinking(
+                report, halvings = train_window_shrinking(
                     attempt, window.microbatches, model, optimizer, meter, ledger, halvings
                 )
             else:

@@ -181,6 +181,11 @@ def describe(plan: AccumulationPlan | Mapping[str, int]) -> str:
     if isinstance(plan, Mapping):
         plan = AccumulationPlan(**plan)  # type: ignore[arg-type]
     return (
-        f"{plan.micro_batch_size} examples/microbatch × {plan.accumulation_steps} microbatches/window"
-        f" × {plan.data_parallel_size} replicas = {plan.effective_batch_size} examples/update"
+        f"{_count(plan.micro_batch_size, 'example')}/microbatch × "
+        f"{_count(plan.accumulation_steps, 'microbatch', 'microbatches')}/window × "
+        f"{_count(plan.data_parallel_size, 'replica')} = {plan.effective_batch_size} examples/update"
     )
+
+
+def _count(n: int, singular: str, plural: str | None = None) -> str:
+    return f"{n} {singular if n == 1 else plural or singular + 's'}"

@@ -12,6 +12,8 @@ notebook front end.
 from __future__ import annotations
 
 import html
+import math
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -148,8 +150,6 @@ def effective_batch_widget(
 
 # --- token weighting (notebook 02) -----------------------------------------------------
 
-import math  # noqa: E402  (this section's imports; the module grows by appending sections)
-from collections.abc import Sequence  # noqa: E402
 
 
 def token_weighting(target_counts: Sequence[int], mean_losses: Sequence[float]) -> dict[str, Any]:

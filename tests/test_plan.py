@@ -139,3 +139,12 @@ def test_to_dict_is_json_ready() -> None:
     }
     rebuilt = AccumulationPlan(**{k: v for k, v in data.items() if k != "effective_batch_size"})
     assert rebuilt == plan
+
+
+def test_describe_reads_as_a_sentence_in_singular_and_plural() -> None:
+    assert describe(AccumulationPlan(1, 32)) == (
+        "1 example/microbatch × 32 microbatches/window × 1 replica = 32 examples/update"
+    )
+    assert describe({"micro_batch_size": 4, "accumulation_steps": 1, "data_parallel_size": 2}) == (
+        "4 examples/microbatch × 1 microbatch/window × 2 replicas = 8 examples/update"
+    )
