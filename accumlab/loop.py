@@ -264,7 +264,9 @@ def train_window(
 def _progress(total: int | None, enabled: bool) -> Any:
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, disable=not enabled, unit="update", desc="updates")
+    # Pass disable only to switch the bar off: left unset, TQDM_DISABLE=1 can still do it.
+    options = {} if enabled else {"disable": True}
+    return tqdm(total=total, unit="update", desc="updates", **options)
 
 
 def _planned_windows(batches: Iterable[Any], plan: AccumulationPlan) -> int | None:

@@ -16,7 +16,8 @@ LastWindow = Literal["update", "drop"]
 _LAST_WINDOW_POLICIES = ("update", "drop")
 
 
-def _check_positive_int(name: str, value: object) -> int:
+def check_positive_int(name: str, value: object) -> int:
+    """``value`` if it is an int of at least 1; ``TypeError``/``ValueError`` naming ``name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
     if value < 1:
@@ -63,9 +64,9 @@ class AccumulationPlan:
     last_window: LastWindow = "update"
 
     def __post_init__(self) -> None:
-        _check_positive_int("micro_batch_size", self.micro_batch_size)
-        _check_positive_int("accumulation_steps", self.accumulation_steps)
-        _check_positive_int("data_parallel_size", self.data_parallel_size)
+        check_positive_int("micro_batch_size", self.micro_batch_size)
+        check_positive_int("accumulation_steps", self.accumulation_steps)
+        check_positive_int("data_parallel_size", self.data_parallel_size)
         if self.last_window not in _LAST_WINDOW_POLICIES:
             raise ValueError(
                 f"last_window must be one of {_LAST_WINDOW_POLICIES}, got {self.last_window!r}"
@@ -85,9 +86,9 @@ class AccumulationPlan:
         last_window: LastWindow = "update",
     ) -> AccumulationPlan:
         """The plan with ``A = effective / (m × D)``; a ``ValueError`` when it does not divide."""
-        _check_positive_int("effective_batch_size", effective_batch_size)
-        _check_positive_int("micro_batch_size", micro_batch_size)
-        _check_positive_int("data_parallel_size", data_parallel_size)
+        check_positive_int("effective_batch_size", effective_batch_size)
+        check_positive_int("micro_batch_size", micro_batch_size)
+        check_positive_int("data_parallel_size", data_parallel_size)
         per_window = micro_batch_size * data_parallel_size
         steps, remainder = divmod(effective_batch_size, per_window)
         if remainder or steps == 0:
@@ -162,9 +163,9 @@ def data_parallel_size(
     plain DDP or FSDP2, ``D`` is the world size. Raises ``ValueError`` when the sizes do
     not divide the world.
     """
-    _check_positive_int("world_size", world_size)
-    _check_positive_int("tensor_parallel_size", tensor_parallel_size)
-    _check_positive_int("pipeline_parallel_size", pipeline_parallel_size)
+    check_positive_int("world_size", world_size)
+    check_positive_int("tensor_parallel_size", tensor_parallel_size)
+    check_positive_int("pipeline_parallel_size", pipeline_parallel_size)
     per_replica = tensor_parallel_size * pipeline_parallel_size
     replicas, remainder = divmod(world_size, per_replica)
     if remainder or replicas == 0:

@@ -16,14 +16,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}; pass a positive count")
-    return value
-
+from .plan import check_positive_int
 
 # --- effective batch (notebook 00) -----------------------------------------------------
 
@@ -58,11 +51,11 @@ def effective_batch_table(
     :data:`EFFECTIVE_BATCH_LABELS`. Raises ``TypeError``/``ValueError`` for a size that is
     not a positive int.
     """
-    m = _positive_int("micro_batch_size", micro_batch_size)
-    a = _positive_int("accumulation_steps", accumulation_steps)
-    d = _positive_int("data_parallel_size", data_parallel_size)
-    t = _positive_int("tensor_parallel_size", tensor_parallel_size)
-    p = _positive_int("pipeline_parallel_size", pipeline_parallel_size)
+    m = check_positive_int("micro_batch_size", micro_batch_size)
+    a = check_positive_int("accumulation_steps", accumulation_steps)
+    d = check_positive_int("data_parallel_size", data_parallel_size)
+    t = check_positive_int("tensor_parallel_size", tensor_parallel_size)
+    p = check_positive_int("pipeline_parallel_size", pipeline_parallel_size)
     return {
         "gpus": d * t * p,
         "gpus_per_replica": t * p,
@@ -188,7 +181,7 @@ def token_weighting(target_counts: Sequence[int], mean_losses: Sequence[float]) 
             f"target_counts ({len(target_counts)} entries) and mean_losses "
             f"({len(mean_losses)} entries) need one entry per microbatch each, at least one"
         )
-    counts = tuple(_positive_int(f"target_counts[{i}]", n) for i, n in enumerate(target_counts))
+    counts = tuple(check_positive_int(f"target_counts[{i}]", n) for i, n in enumerate(target_counts))
     losses = []
     for i, loss in enumerate(mean_losses):
         if isinstance(loss, bool) or not isinstance(loss, (int, float)):
