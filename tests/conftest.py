@@ -8,15 +8,23 @@ the package against them checks the package, not the package against itself.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import settings
 from torch import Tensor, nn
 
 from accumlab.data import VOCAB_SIZE
 from accumlab.models import TinyGPT
+
+# CI runs the property tests with a fixed seed: a red build must be reproducible, and
+# exploring fresh random cases is for local runs.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 torch.set_num_threads(1)
 
