@@ -161,8 +161,8 @@ def train_window(
     ``precision`` is ``"fp32"``, ``"bf16"`` or ``"fp16"`` (see ``accumlab.precision``):
     bf16 and fp16 run the forward under ``torch.autocast`` for the model's device type.
     fp16 needs a ``torch.amp.GradScaler`` for that device; with ``scaler=None`` one is
-    created for this window alone, so a caller running many windows passes the same
-    scaler to each (``train`` does) for the scale to carry over.
+    created for this window alone (with a warning), so a caller running many windows
+    passes the same scaler to each (``train`` does) for the scale to carry over.
 
     Skipped attempts. An attempt is skipped, ``report.applied`` is False and the weights,
     the optimizer state and the scheduler are left as they were, when the window has no
@@ -190,6 +190,14 @@ def train_window(
         raise ValueError(f"scheduler_per must be 'applied' or 'attempt', got {scheduler_per!r}")
     distributed.check_replicas(model)  # a plain model in a multi-rank group is an error
     policy = precision_policy(precision, model_device(model))
+    if scaler is None and policy.needs_scaler:
+        warnings.warn(
+            "train_window(precision='fp16') without a scaler makes a GradScaler for this "
+            "window alone, so its scale cannot adapt from window to window; create one "
+            "torch.amp.GradScaler and pass it to every window (train() does this)",
+            UserWarning,
+            stacklevel=2,
+        )
     scaler = resolve_scaler(policy, scaler)
     scale_before = float(scaler.get_scale()) if scaler is not None else None
     lr = _lr(optimizer)

@@ -424,10 +424,25 @@ def test_a_window_without_targets_is_skipped_and_leaves_the_scale_alone() -> Non
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     empty = [dict(mb, labels=torch.full_like(mb["labels"], -100)) for mb in gpt_window(0)]
     weights = params(model)
-    report = al.train_window(model, empty, opt, OBJECTIVE, precision="fp16")
+    with pytest.warns(UserWarning, match="for this window alone"):
+        report = al.train_window(model, empty, opt, OBJECTIVE, precision="fp16")
     assert not report.applied and report.skipped_reason == "no targets"
     assert report.scale_before == report.scale_after == 2.0**16
     assert_same_params(weights, params(model))
+
+
+def test_train_window_fp16_without_a_scaler_warns_that_the_scale_cannot_adapt() -> None:
+    model = gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="pass it to every window"):
+        report = al.train_window(model, gpt_window(0), opt, OBJECTIVE, precision="fp16")
+    assert report.applied and report.scale_before == 2.0**16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # train() makes one scaler for the run: no warning
+        plan = al.AccumulationPlan(micro_batch_size=2, accumulation_steps=2)
+        ledger = al.train(model, gpt_window(0), opt, plan, OBJECTIVE, precision="fp16",
+                          progress=False)
+    assert ledger.updates_applied == 2  # 4 microbatches, A = 2
 
 
 # --------------------------------------------------------------- helpers
