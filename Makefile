@@ -25,7 +25,7 @@ $(VENV)/.installed-lab: $(VENV)/.installed-dev
 	touch $@
 
 lab: $(VENV)/.installed-lab
-	$(BIN)/jupyter lab notebooks/00_start_here.ipynb
+	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/00_start_here.ipynb
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
