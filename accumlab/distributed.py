@@ -591,6 +591,20 @@ def _split(window: Window | None, plan: AccumulationPlan) -> tuple[list[Any], li
     return list(window), []
 
 
+def _padded(
+    window: Window | None,
+    trained: list[Any],
+    dropped: list[Any],
+    pad: dict[str, Any],
+    target: int,
+    index: int,
+) -> AlignedWindow:
+    """This rank's trained microbatches followed by padding up to ``target`` microbatches."""
+    padding = target - len(trained)
+    loader_batches = len(window) if window is not None else 0
+    return AlignedWindow(trained + [pad] * padding, index, loader_batches, padding, dropped)
+
+
 def _no_data_error(microbatches_per_rank: Sequence[int]) -> ValueError:
     empty = [r for r, n in enumerate(microbatches_per_rank) if n == 0]
     return ValueError(
@@ -649,14 +663,7 @@ def _aligned_by_length(
             raise RuntimeError(_length_lied(local, read))
         if pad is None:  # window 0 always has data on every rank
             pad = padding_microbatch((trained or dropped)[0], objective)
-        padding = target - len(trained)
-        yield AlignedWindow(
-            trained + [pad] * padding,
-            index,
-            len(window) if window is not None else 0,
-            padding,
-            dropped,
-        )
+        yield _padded(window, trained, dropped, pad, target, index)
     for window in windows:  # only a short window dropped on every rank can be left
         trained, dropped = _split(window, plan)
         read += len(window)
@@ -696,14 +703,7 @@ def _aligned_lazily(
             raise _no_data_error([row[1] for row in rows])
         if pad is None:
             pad = padding_microbatch(template, objective)
-        padding = target - len(trained)
-        yield AlignedWindow(
-            trained + [pad] * padding,
-            index,
-            len(window) if window is not None else 0,
-            padding,
-            dropped,
-        )
+        yield _padded(window, trained, dropped, pad, target, index)
         index += 1
 
 

@@ -206,15 +206,16 @@ def train_window(
     acc = accumulate(
         model, window, objective, forward=forward, precision=precision, scaler=scaler, meter=meter
     )
+    local = sum(acc.counts)
     report = UpdateReport(
         index=index,
         applied=False,
         examples=sum(_examples(mb) for mb in window),
-        targets=sum(acc.counts),
+        targets=local,
         global_targets=acc.global_count,
         microbatches=acc.backward_passes,
         backward_passes=acc.backward_passes,
-        loss=acc.loss_sum / sum(acc.counts) if sum(acc.counts) else math.nan,
+        loss=acc.loss_sum / local if local else math.nan,
         loss_sum=acc.loss_sum,
         grad_norm=0.0,
         lr=lr,
