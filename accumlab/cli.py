@@ -41,10 +41,10 @@ def _plan(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     import torch
 
-    from . import data
+    from .course import data
+    from .course.models import TinyGPT
     from .ledger import RunRecord
     from .loop import train
-    from .models import TinyGPT
     from .objectives import NextTokenLoss
     from .plan import AccumulationPlan
 

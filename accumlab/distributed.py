@@ -225,7 +225,7 @@ def _check_importable(fn: Callable[..., Any]) -> None:
     if "<lambda>" in name or "<locals>" in name or in_notebook:
         raise ValueError(
             f"launch needs a function defined at the top level of an importable module "
-            f"(such as accumlab.ddp_workers), got {module}.{name}: spawned processes start "
+            f"(such as accumlab.course.workers), got {module}.{name}: spawned processes start "
             "a fresh interpreter and cannot see lambdas, nested functions or notebook cells"
         )
 
@@ -736,7 +736,7 @@ def example_ids_in(batches: Iterable[Mapping[str, Any]]) -> list[int]:
         if "example_ids" not in batch:
             raise ValueError(
                 f"microbatch {i} has no 'example_ids' entry (keys: {sorted(batch)}); add one "
-                "tensor of ids per row (accumlab.data.collate does) to check coverage"
+                "tensor of ids per row (accumlab.course.data.collate does) to check coverage"
             )
         ids.extend(int(x) for x in batch["example_ids"].reshape(-1).tolist() if x != PADDING_ID)
     return ids

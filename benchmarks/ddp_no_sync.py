@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from accumlab import ddp_workers
+from accumlab.course import workers
 from accumlab.distributed import launch
 
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-layer", type=int, default=2, help="transformer blocks")
     args = parser.parse_args(argv)
     results = launch(
-        ddp_workers.no_sync_timing,
+        workers.no_sync_timing,
         2,
         (args.steps, args.windows, args.n_embd, args.n_layer),
         deadline_s=600,

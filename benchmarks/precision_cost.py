@@ -29,8 +29,8 @@ import time
 import torch
 
 import accumlab as al
-from accumlab.data import VOCAB_SIZE, load_examples, microbatches
-from accumlab.models import TinyGPT
+from accumlab.course.data import VOCAB_SIZE, load_examples, microbatches
+from accumlab.course.models import TinyGPT
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 

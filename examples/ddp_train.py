@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from accumlab import ddp_workers, distributed
+from accumlab import distributed
+from accumlab.course import workers
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,16 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     config = (args.examples, args.micro, args.steps, "fsdp2" if args.fsdp2 else "ddp", args.seed)
     if distributed.init_from_env():  # started by torchrun: this process is one rank
         try:
-            result = ddp_workers.train_tiny_gpt(*config)
+            result = workers.train_tiny_gpt(*config)
             if dist.get_rank() == 0:
                 report(result, args.record)
         finally:
             dist.destroy_process_group()
         return 0
     if args.nproc == 1:
-        result = ddp_workers.train_tiny_gpt(*config[:3], "none", args.seed)
+        result = workers.train_tiny_gpt(*config[:3], "none", args.seed)
     else:
-        result = distributed.launch(ddp_workers.train_tiny_gpt, args.nproc, config)[0]
+        result = distributed.launch(workers.train_tiny_gpt, args.nproc, config)[0]
     report(result, args.record)
     return 0
 

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from hypothesis import settings
 from torch import Tensor, nn
 
-from accumlab.data import VOCAB_SIZE
-from accumlab.models import TinyGPT
+from accumlab.course.data import VOCAB_SIZE
+from accumlab.course.models import TinyGPT
 
 # CI runs the property tests with a fixed seed: a red build must be reproducible, and
 # exploring fresh random cases is for local runs.

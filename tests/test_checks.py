@@ -12,8 +12,8 @@ from torch import Tensor, nn
 
 import accumlab as al
 from accumlab.checks import accumulated_gradient, full_batch_gradient
-from accumlab.data import make_regression
-from accumlab.models import MLP
+from accumlab.course.data import make_regression
+from accumlab.course.models import MLP
 
 
 def mlp64(seed: int = 0) -> MLP:

@@ -1,4 +1,4 @@
-"""Tests for accumlab.data and the committed data set generator."""
+"""Tests for accumlab.course.data and the committed data set generator."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from accumlab.data import (
+from accumlab.course.data import (
     DATA_PATH,
     EOS_ID,
     PAD_ID,

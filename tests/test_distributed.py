@@ -1,7 +1,7 @@
 """Data parallelism: the global denominator, one sync per window, uneven ranks, FSDP2.
 
 Tests marked ``distributed`` spawn two gloo processes through ``accumlab.distributed.launch``
-(the workers live in ``accumlab.ddp_workers``); each has a deadline well under a minute,
+(the workers live in ``accumlab.course.workers``); each has a deadline well under a minute,
 so a hang fails the test instead of stalling CI. The others check the same logic in one
 process: ``aligned_windows`` with the peers' answers simulated, the padding microbatch,
 the example-ID checks, the data-parallel size.
@@ -16,9 +16,9 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 import accumlab as al
-from accumlab import data, ddp_workers
 from accumlab import distributed as ald
-from accumlab.models import TinyGPT
+from accumlab.course import data, workers
+from accumlab.course.models import TinyGPT
 
 DEADLINE_S = 50  # per launch: a hang fails here, long before the CI budget
 RTOL = 1e-5
@@ -35,7 +35,7 @@ def launch(fn, *args, **kwargs):
 def ddp_run():
     """DDP, A=4, m=2: rank 0 has 13 short examples (7 microbatches, windows of 4 and 3),
     rank 1 has 10 long ones (5 microbatches, windows of 4 and 1)."""
-    return launch(ddp_workers.gradient_agreement, "ddp", 2, 4, (13, 10), False)
+    return launch(workers.gradient_agreement, "ddp", 2, 4, (13, 10), False)
 
 
 @pytest.mark.distributed
@@ -81,7 +81,7 @@ def test_ddp_ledger_counts_own_work_and_record_sums_ranks(ddp_run):
 def test_fsdp2_gradient_equals_single_process_full_batch():
     # A=3 and an iterator without len(): rank 0 has windows of 3, 3, 1; rank 1 of 3, 2,
     # then none, so the ranks agree window by window and rank 1 pads twice.
-    rank0, rank1 = launch(ddp_workers.gradient_agreement, "fsdp2", 2, 3, (13, 10), True)
+    rank0, rank1 = launch(workers.gradient_agreement, "fsdp2", 2, 3, (13, 10), True)
     assert rank0["replicas"] == 2
     assert rank0["microbatches_per_window"] == rank1["microbatches_per_window"] == [3, 3, 1]
     assert rank1["padding_per_window"] == [0, 1, 1]
@@ -94,13 +94,13 @@ def test_fsdp2_gradient_equals_single_process_full_batch():
 @pytest.mark.distributed
 def test_one_sync_per_window_with_no_sync_and_a_without():
     a, windows = 4, 2
-    rank0, _ = launch(ddp_workers.count_syncs, a, windows)
+    rank0, _ = launch(workers.count_syncs, a, windows)
     assert rank0["forward and backward"]["syncs"] == windows  # accumlab.train
     assert rank0["none"]["syncs"] == a * windows
     # DDP decides at forward time: a forward outside no_sync syncs anyway
     assert rank0["backward only"]["syncs"] == a * windows
     assert rank0["forward only"]["syncs"] == windows
-    for mode in ddp_workers.SYNC_MODES:  # the gradient is the same; only the traffic differs
+    for mode in workers.SYNC_MODES:  # the gradient is the same; only the traffic differs
         assert rank0[mode]["windows"] == windows
         assert rank0[mode]["rel_error"] <= RTOL
 
@@ -108,7 +108,7 @@ def test_one_sync_per_window_with_no_sync_and_a_without():
 @pytest.mark.distributed
 def test_rank_with_fewer_windows_finishes_and_ranks_stay_identical():
     # rank 0 has one window, rank 1 four; without alignment rank 1 would wait forever
-    rank0, rank1 = launch(ddp_workers.uneven_ranks, (1, 4), 2)
+    rank0, rank1 = launch(workers.uneven_ranks, (1, 4), 2)
     assert rank0["ledger"].update_attempts == rank1["ledger"].update_attempts == 4
     assert rank0["ledger"].padding_microbatches == 6 and rank1["ledger"].padding_microbatches == 0
     assert rank0["ledger"].examples == 4 and rank1["ledger"].examples == 16
@@ -120,7 +120,7 @@ def test_rank_with_fewer_windows_finishes_and_ranks_stay_identical():
 
 @pytest.mark.distributed
 def test_gathered_ids_catch_distributed_sampler_duplicates():
-    rank0, rank1 = launch(ddp_workers.sampler_ids, 9)
+    rank0, rank1 = launch(workers.sampler_ids, 9)
     padded = rank0["DistributedSampler"]
     assert not padded.ok
     assert padded.duplicates == {0: [0, 1]}  # example 0 repeated to even out the ranks
@@ -132,7 +132,7 @@ def test_gathered_ids_catch_distributed_sampler_duplicates():
 @pytest.mark.distributed
 def test_unwrapped_model_in_a_multi_rank_group_is_an_error():
     with pytest.raises(ValueError, match="not wrapped in DistributedDataParallel") as info:
-        launch(ddp_workers.misuse, "plain model")
+        launch(workers.misuse, "plain model")
     assert info.value.rank in (0, 1)
     assert str(info.value).startswith(f"rank {info.value.rank}: ")
     assert isinstance(info.value.__cause__, ald.WorkerTraceback)
@@ -142,7 +142,7 @@ def test_unwrapped_model_in_a_multi_rank_group_is_an_error():
 @pytest.mark.distributed
 def test_plan_data_parallel_size_must_match_world_size():
     with pytest.raises(ValueError, match=r"plan.data_parallel_size=1 .* 2 data-parallel"):
-        launch(ddp_workers.misuse, "plan mismatch")
+        launch(workers.misuse, "plan mismatch")
 
 
 # ---------------------------------------------------------------- one process
@@ -152,7 +152,7 @@ def test_launch_rejects_functions_spawned_processes_cannot_import():
     with pytest.raises(ValueError, match="importable module"):
         ald.launch(lambda: None, 2)
     with pytest.raises(ValueError, match="nprocs"):
-        ald.launch(ddp_workers.whoami, 0)
+        ald.launch(workers.whoami, 0)
 
 
 def test_plan_with_replicas_but_a_plain_model_is_an_error():
@@ -346,7 +346,7 @@ def test_run_record_reduced_over_ranks_without_a_group_is_the_local_record():
 
 
 def test_exercise_padding_plan_checker(capsys):
-    from accumlab.exercises import ex04
+    from accumlab.course.exercises import ex04
 
     assert ex04.padding_plan.check(ex04.reference_padding_plan)
 
@@ -373,6 +373,6 @@ def test_launch_stops_every_worker_at_the_first_failure():
     # rank 0 waits in a barrier for rank 1, which fails; launch must not wait for the
     # 60 s process-group timeout (the deadline is shorter) and must show rank 1's output
     with pytest.raises(ValueError, match="rank 1: deliberate failure") as info:
-        ald.launch(ddp_workers.fail_on_rank, 2, (1,), timeout_s=60, deadline_s=45)
+        ald.launch(workers.fail_on_rank, 2, (1,), timeout_s=60, deadline_s=45)
     assert info.value.rank == 1
     assert "rank 1 is about to fail" in info.value.__cause__.text  # its stderr, captured

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import accumlab as al
-from accumlab.exercises import ex02
+from accumlab.course.exercises import ex02
 
 
 def _flat_ce(logits: Tensor, labels: Tensor, **kwargs: object) -> Tensor:

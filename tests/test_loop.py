@@ -34,7 +34,7 @@ from conftest import (
 from torch import Tensor, nn
 
 import accumlab as al
-from accumlab.data import VOCAB_SIZE, load_examples, microbatches
+from accumlab.course.data import VOCAB_SIZE, load_examples, microbatches
 
 # --------------------------------------------------------------------- helpers
 

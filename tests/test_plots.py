@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from accumlab.plots import (  # noqa: E402
+from accumlab.course.plots import (  # noqa: E402
     curve_points,
     plot_loss_curves,
     plot_weights,

@@ -690,7 +690,7 @@ def _boundary(*calls: str):  # type: ignore[no-untyped-def]
 
 
 def test_exercise_03_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
-    from accumlab.exercises import ex03
+    from accumlab.course.exercises import ex03
 
     assert ex03.window_boundary.check(ex03.reference_window_boundary)
     assert "✅" in capsys.readouterr().out
@@ -713,7 +713,7 @@ def test_exercise_03_reference_passes(capsys: pytest.CaptureFixture[str]) -> Non
     ],
 )
 def test_exercise_03_names_the_mistake(calls: tuple[str, ...], message: str, capsys) -> None:  # type: ignore[no-untyped-def]
-    from accumlab.exercises import ex03
+    from accumlab.course.exercises import ex03
 
     assert not ex03.window_boundary.check(_boundary(*calls))
     out = capsys.readouterr().out
@@ -721,7 +721,7 @@ def test_exercise_03_names_the_mistake(calls: tuple[str, ...], message: str, cap
 
 
 def test_exercise_03_leaves_torch_and_the_random_state_alone() -> None:
-    from accumlab.exercises import ex03
+    from accumlab.course.exercises import ex03
 
     clip = torch.nn.utils.clip_grad_norm_
     state = torch.get_rng_state()

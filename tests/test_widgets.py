@@ -1,4 +1,4 @@
-"""Tests for accumlab.widgets: the pure functions and the widgets built on them."""
+"""Tests for accumlab.course.widgets: the pure functions and the widgets built on them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from accumlab import AccumulationPlan
-from accumlab.widgets import (
+from accumlab.course.widgets import (
     EFFECTIVE_BATCH_LABELS,
     effective_batch_html,
     effective_batch_table,

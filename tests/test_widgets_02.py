@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import accumlab as al
-from accumlab.widgets import token_weighting, token_weighting_html, token_weighting_widget
+from accumlab.course.widgets import token_weighting, token_weighting_html, token_weighting_widget
 
 
 def test_the_512_1536_example():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
-from ..plan import AccumulationPlan
+from ...plan import AccumulationPlan
 from . import Exercise
 
 # --- accumulation_steps ----------------------------------------------------------------

@@ -21,8 +21,8 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..distributed import trained_lengths, window_lengths
-from ..plan import AccumulationPlan
+from ...distributed import trained_lengths, window_lengths
+from ...plan import AccumulationPlan
 from . import Exercise
 
 

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..loop import accumulate
+from ...loop import accumulate
+from ...objectives import ExampleLoss
+from ...precision import inject_nonfinite
 from ..models import MLP
-from ..objectives import ExampleLoss
-from ..precision import inject_nonfinite
 from . import Exercise
 
 #: Relative tolerance on the weights after the update: both runs do the same float32 math.

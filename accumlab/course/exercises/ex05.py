@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...memory import MemoryMeter, format_bytes
+from ...objectives import NextTokenLoss, Objective
 from ..data import VOCAB_SIZE
-from ..memory import MemoryMeter, format_bytes
 from ..models import TinyGPT
-from ..objectives import NextTokenLoss, Objective
 from . import Exercise
 
 #: Relative tolerance on logged losses and weights (float32, same order of operations).

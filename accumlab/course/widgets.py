@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .plan import check_positive_int
+from ..plan import check_positive_int
 
 # --- effective batch (notebook 00) -----------------------------------------------------
 

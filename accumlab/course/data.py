@@ -36,7 +36,7 @@ _CHAR_TO_ID = {ch: i + 2 for i, ch in enumerate(VOCAB_CHARS)}
 #: Number of token ids: PAD, EOS and one per character.
 VOCAB_SIZE: int = 2 + len(VOCAB_CHARS)
 
-DATA_PATH = Path(__file__).resolve().parent.parent / "data" / "instructions.jsonl"
+DATA_PATH = Path(__file__).resolve().parents[2] / "data" / "instructions.jsonl"
 
 
 def encode(text: str) -> list[int]:
@@ -194,7 +194,7 @@ def microbatches(
 def make_regression(
     n: int, in_features: int = 8, out_features: int = 3, seed: int = 0
 ) -> tuple[Tensor, Tensor]:
-    """A small synthetic *classification* set for :class:`accumlab.models.MLP`.
+    """A small synthetic *classification* set for :class:`accumlab.course.models.MLP`.
 
     Returns ``x`` (n, in_features) float32 standard-normal features and ``labels``
     (n,) long in ``0..out_features-1``: the argmax of a fixed random linear map of

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..checks import compare, full_batch_gradient, gradients, split_batch
+from ...checks import compare, full_batch_gradient, gradients, split_batch
+from ...loop import default_forward
+from ...objectives import ExampleLoss, NextTokenLoss, Objective
 from ..data import VOCAB_SIZE, Example, collate
-from ..loop import default_forward
 from ..models import MLP, TinyGPT
-from ..objectives import ExampleLoss, NextTokenLoss, Objective
 from . import Exercise
 
 #: Relative tolerance of the checker: float32 accumulation order changes the last bits only.

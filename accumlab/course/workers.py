@@ -28,9 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import data
-from .checks import compare
-from .distributed import (
+from ..checks import compare
+from ..distributed import (
     SyncCounter,
     check_example_ids,
     example_ids_in,
@@ -40,11 +39,12 @@ from .distributed import (
     replicas_of,
     shard,
 )
-from .ledger import RunRecord
-from .loop import default_forward, train
+from ..ledger import RunRecord
+from ..loop import default_forward, train
+from ..objectives import NextTokenLoss
+from ..plan import AccumulationPlan
+from . import data
 from .models import TinyGPT
-from .objectives import NextTokenLoss
-from .plan import AccumulationPlan
 
 # ----------------------------------------------------------------------------- set-up
 
@@ -422,7 +422,7 @@ def unaligned_windows(windows_per_rank: Sequence[int] = (1, 3), accumulation_ste
     ``train_window``. The rank with fewer windows leaves while its peer waits in a
     collective for it; the peer fails when the process-group timeout expires. Returns
     the number of update attempts if, against expectation, it finishes."""
-    from .loop import train_window
+    from ..loop import train_window
 
     rank, world = rank_and_world()
     m = 2
@@ -444,7 +444,7 @@ def misuse(case: str) -> None:
     """Bad input under a 2-rank group, to see the errors: ``"plain model"`` calls
     ``train_window`` with an unwrapped model; ``"plan mismatch"`` calls ``train`` with a DDP
     model and a plan whose ``data_parallel_size`` is 1."""
-    from .loop import train_window
+    from ..loop import train_window
 
     batches = data.microbatches(data.load_examples(limit=4), 2)
     objective = NextTokenLoss()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..objectives import NextTokenLoss
+from ...objectives import NextTokenLoss
 from . import Exercise
 
 IGNORE = -100
