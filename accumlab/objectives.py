@@ -57,6 +57,21 @@ def check_batch(batch: object, name: str = "batch") -> Mapping[str, Tensor]:
     return batch
 
 
+def class_indices(labels: Tensor, name: str = "labels") -> Tensor:
+    """Integer class labels as the int64 indices ``cross_entropy`` reads.
+
+    Narrower integer dtypes (int32, int16, uint8) are widened, which loses nothing; bool
+    and floating-point labels are a ``TypeError`` naming ``name`` and the fix.
+    """
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
+        raise TypeError(
+            f"{name} must hold integer class indices (int64, or a narrower integer dtype "
+            f"that is widened to int64), got dtype {labels.dtype}; convert them with "
+            f"{name}.long() if they really are class indices"
+        )
+    return labels.long()
+
+
 def logits_of(output: Any) -> Tensor:
     """The logits in a model's output: a tensor, an object with ``.logits``, or a mapping."""
     if isinstance(output, Tensor):
@@ -99,7 +114,7 @@ class NextTokenLoss:
             )
         if labels.is_floating_point():
             raise TypeError(f"labels must be integer token ids, got dtype {labels.dtype}")
-        return labels
+        return class_indices(labels)
 
     def count(self, batch: Mapping[str, Tensor]) -> int:
         """Supervised targets after the shift: ``(labels[:, 1:] != ignore_index).sum()``."""
@@ -107,7 +122,14 @@ class NextTokenLoss:
         return int((labels[:, 1:] != self.ignore_index).sum())
 
     def loss_sum(self, output: Any, batch: Mapping[str, Tensor]) -> Tensor:
-        """Sum of token cross-entropies over the counted targets (0-d float tensor)."""
+        """Sum of token cross-entropies over the counted targets (0-d float tensor), in
+        float32 for half-precision logits and float64 for float64 ones.
+
+        The logits are read where they are: instead of slicing off the last position
+        (which copies a (batch, sequence, vocab) tensor when it is flattened), the labels
+        are shifted left and the last position gets ``ignore_index``. The only
+        logits-sized buffer this adds is the log-softmax, in float32 or wider.
+        """
         labels = self._labels(batch)
         logits = logits_of(output)
         if logits.dim() != 3 or logits.shape[:2] != labels.shape:
@@ -116,13 +138,15 @@ class NextTokenLoss:
                 f"{tuple(labels.shape)}; expected (batch, sequence, vocab) with the same "
                 "batch and sequence sizes"
             )
-        targets = labels[:, 1:].to(logits.device)
-        predictions = logits[:, :-1]
-        return F.cross_entropy(
-            upcast(predictions.reshape(-1, predictions.size(-1))),
-            targets.reshape(-1),
-            ignore_index=self.ignore_index,
-            reduction="sum",
+        # targets[:, t] = labels[:, t + 1]; the last position predicts nothing.
+        targets = F.pad(labels[:, 1:], (0, 1), value=self.ignore_index).to(logits.device)
+        # reshape is a view of contiguous logits. log_softmax(dtype=...) widens half logits
+        # inside the kernel where it can (CUDA) and is what autocast would ask for anyway;
+        # nll_loss of it is exactly cross_entropy, with no separate float32 copy of the input.
+        wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        log_probs = F.log_softmax(logits.reshape(-1, logits.size(-1)), dim=-1, dtype=wide)
+        return F.nll_loss(
+            log_probs, targets.reshape(-1), ignore_index=self.ignore_index, reduction="sum"
         )
 
 
@@ -130,10 +154,18 @@ PerExampleLoss = Callable[[Tensor, Tensor], Tensor]
 
 
 def _cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    if not labels.is_floating_point():  # float labels are class probabilities
+        labels = class_indices(labels)
     return F.cross_entropy(upcast(logits), labels, reduction="none")
 
 
 def _mse(prediction: Tensor, target: Tensor) -> Tensor:
+    if prediction.shape != target.shape:  # F.mse_loss would broadcast, e.g. (b, 1) with (b,)
+        raise ValueError(
+            f"ExampleLoss('mse') needs model output and labels of the same shape, got output "
+            f"{tuple(prediction.shape)} and labels {tuple(target.shape)}; reshape one of them "
+            "(e.g. output.squeeze(-1) or labels.unsqueeze(-1)) so they match element for element"
+        )
     prediction = upcast(prediction)
     error = F.mse_loss(prediction, target.to(prediction.dtype), reduction="none")
     return error.reshape(error.size(0), -1).mean(dim=1)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import IGNORE, LevelLM, level_batch, targets_of, token_batch
+from conftest import IGNORE, LevelLM, level_batch, small_gpt, targets_of, token_batch
 
 import accumlab as al
+from accumlab.course.data import VOCAB_SIZE
+from accumlab.memory import MemoryMeter
 from accumlab.objectives import check_batch, count_window, logits_of
 
 # ------------------------------------------------------------------ NextTokenLoss.count
@@ -221,3 +224,119 @@ def test_output_without_logits_raises() -> None:
     with pytest.raises(TypeError, match="neither a tensor"):
         logits_of({"scores": torch.zeros(1)})
     assert math.isclose(float(logits_of({"logits": torch.ones(())})), 1.0)
+
+
+# ------------------------------------------- label dtypes and exact shapes (issue 8)
+
+
+def test_mse_output_with_a_trailing_one_against_flat_labels_is_a_shape_error() -> None:
+    # (4, 1) against (4,) would broadcast to (4, 4): every prediction against every label.
+    prediction = torch.tensor([[1.0], [2.0], [3.0], [4.0]])
+    labels = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    with pytest.raises(ValueError, match=r"\(4, 1\).*\(4,\)"):
+        al.ExampleLoss("mse").loss_sum(prediction, {"labels": labels})
+    # Matching shapes give the exact per-example loss (here zero).
+    got = al.ExampleLoss("mse").loss_sum(prediction, {"labels": labels[:, None]})
+    assert float(got) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_narrow_integer_labels_give_the_int64_result(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    batch = token_batch([(6, 2), (4, 0)], vocab=7)
+    narrow = {**batch, "labels": batch["labels"].clamp(min=0).to(dtype)}
+    wide = {**batch, "labels": narrow["labels"].long()}
+    logits = torch.randn(2, 6, 7)
+    objective = al.NextTokenLoss(ignore_index=0)
+    assert objective.count(narrow) == objective.count(wide)
+    assert torch.equal(objective.loss_sum(logits, narrow), objective.loss_sum(logits, wide))
+    classes = torch.randint(0, 4, (5,))
+    scores = torch.randn(5, 4)
+    example = al.ExampleLoss()
+    assert torch.equal(
+        example.loss_sum(scores, {"labels": classes.to(dtype)}),
+        example.loss_sum(scores, {"labels": classes}),
+    )
+
+
+NOT_CLASS_INDICES = r"labels must hold integer class indices.*torch.bool.*labels.long\(\)"
+
+
+def test_bool_labels_are_a_clear_type_error() -> None:
+    flags = torch.ones(2, 4, dtype=torch.bool)
+    with pytest.raises(TypeError, match=NOT_CLASS_INDICES):
+        al.NextTokenLoss().count({"labels": flags})
+    with pytest.raises(TypeError, match=NOT_CLASS_INDICES):
+        al.NextTokenLoss().loss_sum(torch.zeros(2, 4, 3), {"labels": flags})
+    with pytest.raises(TypeError, match=NOT_CLASS_INDICES):
+        al.ExampleLoss().loss_sum(torch.zeros(2, 3), {"labels": flags[:, 0]})
+
+
+# ---------------------------------------- the loss reads the logits in place (issue 12)
+
+
+def sliced_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore: int = IGNORE) -> torch.Tensor:
+    """The formulation NextTokenLoss used before: slice the logits, then flatten them
+    (a copy of the logits for more than one row, and a float32 copy of half logits)."""
+    predictions = logits[:, :-1]
+    return F.cross_entropy(
+        predictions.reshape(-1, predictions.size(-1)).float()
+        if predictions.dtype != torch.float64
+        else predictions.reshape(-1, predictions.size(-1)),
+        labels[:, 1:].reshape(-1),
+        ignore_index=ignore,
+        reduction="sum",
+    )
+
+
+def _gpt_loss_and_grads(
+    dtype: torch.dtype, loss_fn: Any
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model = small_gpt(dtype)
+    batch = token_batch([(9, 3), (5, 0), (12, 6), (7, 7)], vocab=VOCAB_SIZE, seed=3)
+    logits = model(input_ids=batch["input_ids"]).logits
+    loss = loss_fn(logits, batch)
+    loss.backward()
+    return loss.detach(), [p.grad.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-6), (torch.float64, 1e-12)])
+def test_loss_sum_equals_the_sliced_formulation_on_the_tiny_gpt(
+    dtype: torch.dtype, tol: float
+) -> None:
+    new_loss, new_grads = _gpt_loss_and_grads(dtype, al.NextTokenLoss().loss_sum)
+    old_loss, old_grads = _gpt_loss_and_grads(dtype, lambda z, b: sliced_loss_sum(z, b["labels"]))
+    torch.testing.assert_close(new_loss, old_loss, rtol=tol, atol=0)
+    for new, old in zip(new_grads, old_grads, strict=True):
+        torch.testing.assert_close(new, old, rtol=tol, atol=tol * float(old.abs().max()))
+
+
+def test_half_logits_give_the_float32_loss_of_the_upcast_logits() -> None:
+    torch.manual_seed(0)
+    batch = token_batch([(9, 3), (5, 0), (12, 6)], vocab=50)
+    logits = torch.randn(3, 12, 50).to(torch.bfloat16)
+    got = al.NextTokenLoss().loss_sum(logits, batch)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, sliced_loss_sum(logits, batch["labels"]), rtol=1e-6, atol=0)
+
+
+def _extra_peak(loss_fn: Any, logits: torch.Tensor) -> int:
+    meter = MemoryMeter("cpu")
+    meter.watch(logits)  # a leaf that requires grad would otherwise count once it is read
+    with meter.track():
+        start = meter.live_bytes
+        loss = loss_fn(logits)
+        extra = meter.peak_bytes - start
+    del loss
+    return extra
+
+
+def test_loss_sum_adds_one_float32_logits_buffer_and_no_copy() -> None:
+    torch.manual_seed(0)
+    batch = token_batch([(64, 0)] * 4, vocab=1000)
+    logits = torch.randn(4, 64, 1000, requires_grad=True)
+    new = _extra_peak(lambda z: al.NextTokenLoss().loss_sum(z, batch), logits)
+    old = _extra_peak(lambda z: sliced_loss_sum(z, batch["labels"]), logits)
+    # The log-softmax (saved for backward) is the one logits-sized buffer; labels are small.
+    assert new <= 1.05 * logits.nbytes
+    assert old >= 1.9 * logits.nbytes  # the old slice-and-flatten copied the logits once more
