@@ -12,9 +12,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from accumlab.course.plots import (  # noqa: E402
+    RunCurve,
     curve_points,
     plot_loss_curves,
+    plot_updates_and_examples,
     plot_weights,
+    run_curve,
     weight_bars,
 )
 
@@ -135,3 +138,64 @@ def test_plot_weights_draws_one_container_per_scheme():
 def test_plot_weights_checks_label_count():
     with pytest.raises(ValueError, match="labels has 1 names but there are 2 microbatches"):
         plot_weights({"a": [0.5, 0.5]}, labels=["only one"])
+
+
+# --- run curves on two axes -------------------------------------------------------------
+
+def test_run_curve_converts_and_keeps_the_counts():
+    curve = run_curve([4.0, float("nan"), 3], updates=[0, 2, 4], seen=(0, 64, 128))
+    assert curve.updates == [0.0, 2.0, 4.0] and curve.seen == [0.0, 64.0, 128.0]
+    assert curve.values[0] == 4.0 and math.isnan(curve.values[1]) and curve.values[2] == 3.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"values": [], "updates": [], "seen": []}, ValueError, "values is empty"),
+        ({"values": [1.0, 2.0], "updates": [0], "seen": [0, 1]}, ValueError, "updates has 1"),
+        ({"values": [1.0, 2.0], "updates": [0, 1], "seen": [8, 4]}, ValueError, "never decrease"),
+        ({"values": [1.0], "updates": [-1], "seen": [0]}, ValueError, "finite counts >= 0"),
+        ({"values": [1.0], "updates": [0], "seen": [float("inf")]}, ValueError, "finite counts"),
+        ({"values": "1", "updates": [0], "seen": [0]}, TypeError, "sequence of numbers"),
+    ],
+)
+def test_run_curve_rejects_bad_input(kwargs, error, match):
+    values = kwargs.pop("values")
+    with pytest.raises(error, match=match):
+        run_curve(values, **kwargs)
+
+
+def test_plot_updates_and_examples_draws_each_run_on_both_axes():
+    runs = {
+        "A=1": run_curve([4.0, 3.0, 2.5], updates=[0, 8, 16], seen=[0, 64, 128]),
+        "A=4": run_curve([4.0, 3.5, 3.2], updates=[0, 2, 4], seen=[0, 64, 128]),
+    }
+    left, right = plot_updates_and_examples(runs, ylabel="held-out loss (nats)")
+    for ax, field in ((left, "updates"), (right, "seen")):
+        lines = ax.get_lines()
+        assert [line.get_label() for line in lines] == list(runs)
+        for line, curve in zip(lines, runs.values(), strict=True):
+            assert list(line.get_xdata()) == getattr(curve, field)
+            assert list(line.get_ydata()) == curve.values
+    # a run keeps its colour in both panels
+    assert [ln.get_color() for ln in left.get_lines()] == [ln.get_color() for ln in right.get_lines()]
+    assert left.get_xlabel() == "applied updates" and right.get_xlabel() == "examples seen"
+    assert left.get_ylabel() == "held-out loss (nats)"
+
+
+def test_plot_updates_and_examples_uses_given_axes_and_unit():
+    fig, pair = plt.subplots(1, 2)
+    curve = run_curve([1.0, 0.5], updates=[0, 1], seen=[0, 500])
+    got = plot_updates_and_examples({"r": curve}, ylabel="y", seen_label="tokens seen", axes=pair)
+    assert got == (pair[0], pair[1]) and len(fig.axes) == 2
+    assert pair[1].get_xlabel() == "tokens seen"
+
+
+def test_plot_updates_and_examples_rejects_bad_runs():
+    with pytest.raises(ValueError, match="non-empty mapping"):
+        plot_updates_and_examples({}, ylabel="y")
+    with pytest.raises(TypeError, match="must be a RunCurve"):
+        plot_updates_and_examples({"r": [1.0, 2.0]}, ylabel="y")
+    with pytest.raises(ValueError, match="pair of Axes"):
+        curve = RunCurve([1.0], [0.0], [0.0])
+        plot_updates_and_examples({"r": curve}, ylabel="y", axes=[plt.gca()])

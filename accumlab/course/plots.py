@@ -187,3 +187,85 @@ def plot_weights(
     ax.grid(axis="y", alpha=0.3)
     ax.legend()
     return ax
+
+
+@dataclass(frozen=True)
+class RunCurve:
+    """One run's measurements and where it was when it took each one.
+
+    ``values[i]`` was measured after ``updates[i]`` applied updates, when the run had
+    seen ``seen[i]`` examples (or tokens: name the unit in the plot). The counts never
+    decrease. Two runs with different effective batches reach the same ``seen`` after
+    different numbers of updates, which is why they are compared on the ``seen`` axis.
+    """
+
+    values: list[float]
+    updates: list[float]
+    seen: list[float]
+
+
+def run_curve(
+    values: Sequence[float], *, updates: Sequence[float], seen: Sequence[float]
+) -> RunCurve:
+    """Check and build a :class:`RunCurve`: three equally long, non-empty sequences of
+    numbers; ``updates`` and ``seen`` non-decreasing and non-negative (``values`` may hold
+    NaN, drawn as a gap)."""
+    curve = RunCurve(
+        _numbers("values", values), _numbers("updates", updates), _numbers("seen", seen)
+    )
+    n = len(curve.values)
+    if n == 0:
+        raise ValueError("values is empty: a curve needs at least one measurement")
+    for name in ("updates", "seen"):
+        xs = getattr(curve, name)
+        if len(xs) != n:
+            raise ValueError(f"{name} has {len(xs)} values but values has {n}; give one per value")
+        if any(not math.isfinite(v) or v < 0 for v in xs):
+            raise ValueError(f"{name} must hold finite counts >= 0, got {xs}")
+        if any(b < a for a, b in zip(xs, xs[1:], strict=False)):
+            raise ValueError(f"{name} must never decrease (it counts what the run did), got {xs}")
+    return curve
+
+
+def plot_updates_and_examples(
+    runs: Mapping[str, RunCurve],
+    *,
+    ylabel: str,
+    seen_label: str = "examples seen",
+    axes: Sequence[Axes] | None = None,
+) -> tuple[Axes, Axes]:
+    """Draw every run twice: against applied updates (left) and against ``seen`` (right).
+
+    ``runs`` maps a label to a :class:`RunCurve` (see :func:`run_curve`). ``axes`` is an
+    optional pair of Axes to draw on; by default a new figure with two panels sharing the
+    y axis. Each run keeps its colour in both panels. Returns ``(by_updates, by_seen)``.
+    """
+    if not isinstance(runs, Mapping) or not runs:
+        raise ValueError(f"runs must be a non-empty mapping from label to RunCurve, got {runs!r}")
+    for label, curve in runs.items():
+        if not isinstance(curve, RunCurve):
+            raise TypeError(
+                f"runs[{label!r}] must be a RunCurve (build it with run_curve), got "
+                f"{type(curve).__name__}"
+            )
+    if axes is None:
+        import matplotlib.pyplot as plt
+
+        _, pair = plt.subplots(1, 2, figsize=(11, 3.6), sharey=True)
+        by_updates, by_seen = pair
+    else:
+        if len(axes) != 2:
+            raise ValueError(f"axes must be a pair of Axes, got {len(axes)}")
+        by_updates, by_seen = axes
+    for i, (label, curve) in enumerate(runs.items()):
+        style = {"color": f"C{i}", "marker": "." if len(curve.values) <= 30 else None}
+        by_updates.plot(curve.updates, curve.values, label=str(label), **style)
+        by_seen.plot(curve.seen, curve.values, label=str(label), **style)
+    for ax, xlabel in ((by_updates, "applied updates"), (by_seen, seen_label)):
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    by_updates.set_ylabel(ylabel)
+    by_updates.set_title("on the update axis")
+    by_seen.set_title(f"on the {seen_label} axis")
+    return by_updates, by_seen
