@@ -4,6 +4,11 @@ The core rule: every microbatch backpropagates ``loss_sum × D / count(window, a
 replicas)`` and the optimizer steps once per window.
 """
 
+from ._torch_version import check_torch_version
+
+# Before the submodules: on an older torch they would fail on a missing API instead.
+check_torch_version()
+
 from . import distributed
 from .checks import GradientComparison, compare, compare_gradients, gradients, split_batch
 from .distributed import ExampleIdCheck, check_example_ids, launch

@@ -12,6 +12,7 @@ from types import ModuleType
 import pytest
 import torch
 
+import accumlab.course.data as data_module
 from accumlab.course.data import (
     DATA_PATH,
     EOS_ID,
@@ -43,7 +44,7 @@ def load_generator() -> ModuleType:
 
 @pytest.fixture(scope="module")
 def records() -> list[dict]:
-    with open(DATA_PATH, encoding="utf-8") as f:
+    with DATA_PATH.open("r", encoding="utf-8") as f:
         return [json.loads(line) for line in f]
 
 
@@ -89,6 +90,14 @@ def test_decode_rejects_out_of_range_ids() -> None:
 # --- the committed data set -------------------------------------------------------
 
 
+def test_data_set_is_package_data() -> None:
+    # Shipped inside the package (so a wheel carries it), where the generator writes it.
+    package_dir = Path(data_module.__file__).resolve().parent
+    assert Path(str(DATA_PATH)).resolve() == package_dir / "instructions.jsonl"
+    assert load_generator().OUTPUT_PATH.resolve() == package_dir / "instructions.jsonl"
+    assert not (REPO / "data" / "instructions.jsonl").exists()
+
+
 def test_committed_file_matches_generator() -> None:
     gen = load_generator()
     lines = gen.generate()
@@ -111,7 +120,7 @@ def test_data_set_shape(records: list[dict]) -> None:
     assert all(set(r) == {"id", "prompt", "response"} for r in records)
     assert all(r["prompt"].endswith("\n") for r in records)
     assert max(len(r["prompt"]) + len(r["response"]) + 1 for r in records) <= 127
-    assert DATA_PATH.stat().st_size < 300_000
+    assert len(DATA_PATH.read_bytes()) < 300_000
 
 
 def test_lengths_spread_widely(records: list[dict]) -> None:
@@ -161,6 +170,16 @@ def test_load_examples(records: list[dict]) -> None:
 def test_load_examples_missing_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="make_dataset.py"):
         load_examples(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_examples(str(tmp_path / "nope.jsonl"))
+
+
+def test_load_examples_missing_shipped_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(data_module, "DATA_PATH", tmp_path / "gone.jsonl")
+    with pytest.raises(FileNotFoundError, match="reinstall accumlab"):
+        load_examples()
 
 
 def test_load_examples_bad_record(tmp_path: Path) -> None:

@@ -8,6 +8,9 @@ Labels follow the Hugging Face convention: ``labels`` is aligned with ``input_id
 Ignored positions hold ``ignore_index`` (-100). With the prompt masked, the
 supervised targets of an example, ``labels[:, 1:] != -100``, are its response
 characters plus the EOS token.
+
+The data set file, ``instructions.jsonl``, is package data next to this module, so an
+installed wheel carries it; ``data/make_dataset.py`` in the repository regenerates it.
 """
 
 from __future__ import annotations
@@ -16,11 +19,15 @@ import json
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # importlib.resources.abc is new in Python 3.11
+    from importlib.resources.abc import Traversable
 
 PAD_ID = 0
 EOS_ID = 1
@@ -36,7 +43,9 @@ _CHAR_TO_ID = {ch: i + 2 for i, ch in enumerate(VOCAB_CHARS)}
 #: Number of token ids: PAD, EOS and one per character.
 VOCAB_SIZE: int = 2 + len(VOCAB_CHARS)
 
-DATA_PATH = Path(__file__).resolve().parents[2] / "data" / "instructions.jsonl"
+#: The shipped data set, read through ``importlib.resources`` so it is found wherever the
+#: package is installed (for an ordinary install this is a ``pathlib.Path``).
+DATA_PATH: Traversable = resources.files(__package__).joinpath("instructions.jsonl")
 
 
 def encode(text: str) -> list[int]:
@@ -90,22 +99,33 @@ class Example:
             )
 
 
-def load_examples(path: str | Path | None = None, limit: int | None = None) -> list[Example]:
+def load_examples(
+    path: str | Path | Traversable | None = None, limit: int | None = None
+) -> list[Example]:
     """Read and tokenize a JSON-lines file of ``{"id", "prompt", "response"}`` records.
 
-    ``path`` defaults to :data:`DATA_PATH`; ``limit`` keeps only the first ``limit``
-    examples (in file order). Returns examples in file order.
+    ``path`` defaults to :data:`DATA_PATH`, the data set shipped inside the package;
+    ``limit`` keeps only the first ``limit`` examples (in file order). Returns examples
+    in file order.
     """
-    path = Path(DATA_PATH if path is None else path)
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
-    if not path.exists():
-        raise FileNotFoundError(
-            f"data set not found at {path}; generate it with `python data/make_dataset.py` "
-            "from the repository root"
-        )
+    if path is None:
+        source: Traversable = DATA_PATH
+        if not source.is_file():
+            raise FileNotFoundError(
+                f"the shipped data set is missing at {source}; reinstall accumlab, or in a "
+                "repository checkout regenerate it with `python data/make_dataset.py`"
+            )
+    else:
+        source = Path(path) if isinstance(path, str) else path
+        if not source.is_file():
+            raise FileNotFoundError(
+                f"data set not found at {source}; pass the path of a JSON-lines file, or "
+                "path=None for the shipped one (`python data/make_dataset.py` writes it)"
+            )
     examples = []
-    with open(path, encoding="utf-8") as f:
+    with source.open("r", encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if limit is not None and len(examples) >= limit:
                 break
@@ -122,7 +142,7 @@ def load_examples(path: str | Path | None = None, limit: int | None = None) -> l
                     )
                 )
             except (KeyError, ValueError) as e:
-                raise ValueError(f"{path}:{line_no}: bad record: {e}") from e
+                raise ValueError(f"{source}:{line_no}: bad record: {e}") from e
     return examples
 
 
