@@ -44,7 +44,7 @@ notebooks: $(VENV)/.installed-dev
 
 # Ratios measured side by side in one run; see benchmarks/README.md.
 bench: $(VENV)/.installed-dev
-	for b in loop_overhead precision_cost memory_peak ddp_no_sync; do \
+	for b in loop_overhead precision_cost memory_peak ddp_no_sync loss_memory; do \
 	  $(TEST_ENV) $(BIN)/python benchmarks/$$b.py || exit 1; done
 
 clean:

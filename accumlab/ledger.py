@@ -61,7 +61,9 @@ class Ledger:
     ``last_window="drop"``: those examples were read but never trained on.
     ``padding_microbatches`` counts zero-target microbatches a data-parallel rank ran to
     stay aligned with its peers; they are in ``microbatches`` and ``backward_passes``
-    but add no examples or targets.
+    but add no examples or targets. ``largest_microbatch`` is the most examples in one
+    microbatch read from the data (before any OOM shrink), never more than the plan's
+    ``micro_batch_size`` in a run of ``train``.
     """
 
     microbatches: int = 0
@@ -76,6 +78,7 @@ class Ledger:
     dropped_examples: int = 0
     dropped_targets: int = 0
     padding_microbatches: int = 0
+    largest_microbatch: int = 0
     reports: list[UpdateReport] = field(default_factory=list)
     shrinks: list[dict[str, int]] = field(default_factory=list)
 

@@ -140,9 +140,10 @@ class NextTokenLoss:
             )
         # targets[:, t] = labels[:, t + 1]; the last position predicts nothing.
         targets = F.pad(labels[:, 1:], (0, 1), value=self.ignore_index).to(logits.device)
-        # reshape is a view of contiguous logits. log_softmax(dtype=...) widens half logits
-        # inside the kernel where it can (CUDA) and is what autocast would ask for anyway;
-        # nll_loss of it is exactly cross_entropy, with no separate float32 copy of the input.
+        # reshape is a view of contiguous logits. nll_loss(log_softmax) is exactly
+        # cross_entropy, but log_softmax takes the dtype to compute in: half logits are
+        # widened by the kernel itself where the backend supports it (on the CPU as a
+        # transient copy), instead of a float32 copy of the logits made up front.
         wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
         log_probs = F.log_softmax(logits.reshape(-1, logits.size(-1)), dim=-1, dtype=wide)
         return F.nll_loss(

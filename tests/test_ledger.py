@@ -92,7 +92,7 @@ def test_skipped_attempts_are_counted() -> None:
         model,
         batches,
         torch.optim.SGD(model.parameters(), lr=0.1),
-        al.AccumulationPlan(1, 1),
+        al.AccumulationPlan(2, 1),  # the first microbatch holds 2 examples
         al.ExampleLoss(loss_is_output),
         progress=False,
     )

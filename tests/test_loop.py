@@ -489,8 +489,8 @@ def test_train_on_the_shipped_data_with_tiny_gpt() -> None:
     ("kwargs", "error", "match"),
     [
         ({"plan": (2, 2)}, TypeError, "plan must be an AccumulationPlan"),
-        ({"max_updates": 0}, ValueError, "max_updates must be a positive int"),
-        ({"max_updates": True}, ValueError, "max_updates must be a positive int"),
+        ({"max_updates": 0}, ValueError, "max_updates must be at least 1"),
+        ({"max_updates": True}, TypeError, "max_updates must be an int"),
         ({"precision": "fp64"}, ValueError, "precision must be one of"),
     ],
 )
