@@ -10,7 +10,15 @@ from ._torch_version import check_torch_version
 check_torch_version()
 
 from . import distributed
-from .checks import GradientComparison, compare, compare_gradients, gradients, split_batch
+from .checks import (
+    AuditReport,
+    GradientComparison,
+    audit,
+    compare,
+    compare_gradients,
+    gradients,
+    split_batch,
+)
 from .distributed import ExampleIdCheck, check_example_ids, launch
 from .ledger import Ledger, RunRecord, UpdateReport
 from .loop import accumulate, train, train_window
@@ -31,6 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccumulationPlan",
+    "AuditReport",
     "CannotShrinkError",
     "ExampleIdCheck",
     "ExampleLoss",
@@ -45,6 +54,7 @@ __all__ = [
     "UpdateReport",
     "Window",
     "accumulate",
+    "audit",
     "check_example_ids",
     "compare",
     "compare_gradients",
