@@ -1,9 +1,10 @@
 """Plotting helpers for the notebooks, each a thin matplotlib layer over a pure function.
 
-The pure functions (``curve_points``, ``weight_bars``) check and arrange the numbers;
-the ``plot_*`` functions draw them on an Axes and return it, so a notebook can add to the
-figure and a test can read the drawn data back under the Agg backend without a display.
-Every helper draws on ``ax`` when given one, else on a new figure.
+The pure functions (``curve_points``, ``weight_bars``, ``run_curve``) check and arrange
+the numbers; the ``plot_*`` functions draw them on an Axes and return it, so a notebook
+can add to the figure and a test can read the drawn data back under the Agg backend
+without a display. Every helper draws on ``ax`` (or ``axes``) when given, else on a new
+figure.
 """
 
 from __future__ import annotations
