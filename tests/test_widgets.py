@@ -103,3 +103,26 @@ def test_widget_rejects_bad_start_values() -> None:
     pytest.importorskip("ipywidgets")
     with pytest.raises(ValueError, match="accumulation_steps"):
         effective_batch_widget(accumulation_steps=0)
+
+
+def test_sliders_keep_a_track_wide_enough_for_a_mouse() -> None:
+    """Each slider's width less its label column and readout leaves >= 200 px of track,
+    with one label column for all (tools/check_widgets.py measures it in JupyterLab)."""
+    pytest.importorskip("ipywidgets")
+    from accumlab.course.widgets import READOUT_PX
+
+    *sliders, _ = effective_batch_widget().children
+    widths = set()
+    for slider in sliders:
+        width = int(slider.layout.width.removesuffix("px"))
+        label = int(slider.style.description_width.removesuffix("px"))
+        assert width - label - READOUT_PX >= 200, slider.description
+        widths.add((width, label))
+    assert len(widths) == 1  # the tracks line up under one another
+
+
+def test_table_cells_are_padded_apart() -> None:
+    from accumlab.course.widgets import CELL_STYLE
+
+    text = effective_batch_html(effective_batch_table(1, 1))
+    assert text.count("<td ") == 2 * len(EFFECTIVE_BATCH_LABELS) == text.count(CELL_STYLE)

@@ -109,7 +109,7 @@ def test_bad_input_is_named(counts, losses, error, match):
 def test_html_shows_both_losses_and_every_microbatch():
     text = token_weighting_html(token_weighting([512, 1536], [2.0, 4.0]))
     assert "token mean <b>3.5000</b>" in text and "average of averages <b>3.0000</b>" in text
-    assert "<td>512</td>" in text and "<td>1536</td>" in text
+    assert ">512</td>" in text and ">1536</td>" in text
     assert "0.250" in text and "0.750" in text and "2.00" in text and "0.67" in text
     with pytest.raises(ValueError, match="missing"):
         token_weighting_html({"token_mean": 1.0})
@@ -120,7 +120,9 @@ def test_widget_recomputes_with_the_pure_function():
     rows, html_out = widget.children[:-1], widget.children[-1]
     assert len(rows) == 3
     assert html_out.value == token_weighting_html(token_weighting([512, 1536, 64], [2.0, 4.0, 3.0]))
-    count_slider, loss_slider = rows[2].children
+    (count_label, count_slider), (loss_label, loss_slider) = (c.children for c in rows[2].children)
+    assert count_label.value == "microbatch 2: targets"
+    assert loss_label.value == "microbatch 2: mean loss (nats)"
     count_slider.value = 1536
     loss_slider.value = 4.0
     expected = token_weighting([512, 1536, 1536], [2.0, 4.0, 4.0])
@@ -131,3 +133,31 @@ def test_widget_recomputes_with_the_pure_function():
 def test_widget_rejects_bad_start_values():
     with pytest.raises(ValueError, match="one entry per microbatch"):
         token_weighting_widget([1, 2], [1.0])
+
+
+def _px(value: str) -> int:
+    assert value.endswith("px"), value
+    return int(value[:-2])
+
+
+def test_sliders_keep_a_track_wide_enough_for_a_mouse():
+    """Each slider's width less its label column and readout leaves >= 200 px of track
+    (tools/check_widgets.py measures the real track in JupyterLab); labels sit above."""
+    from accumlab.course.widgets import READOUT_PX
+
+    widget = token_weighting_widget([512, 1536, 64], [2.0, 4.0, 3.0])
+    columns = [column for row in widget.children[:-1] for column in row.children]
+    assert len(columns) == 6
+    for label, slider in (column.children for column in columns):
+        assert label.value.startswith("microbatch ") and slider.description == ""
+        track = _px(slider.layout.width) - _px(slider.style.description_width) - READOUT_PX
+        assert track >= 200, (label.value, track)
+
+
+def test_table_cells_are_padded_apart():
+    from accumlab.course.widgets import CELL_STYLE
+
+    text = token_weighting_html(token_weighting([512, 1536], [2.0, 4.0]))
+    assert text.count("<th ") == 6 and text.count(f"<th style='{CELL_STYLE}'>") == 6
+    assert text.count("<td ") == text.count(CELL_STYLE) - 6  # every data cell too
+    assert "padding" in CELL_STYLE

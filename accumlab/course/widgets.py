@@ -18,6 +18,32 @@ from typing import Any
 
 from ..plan import check_positive_int
 
+# --- layout shared by the widgets ------------------------------------------------------
+
+#: Inline style of every table cell: a gap between columns, so headers never run together.
+CELL_STYLE = "padding:2px 12px"
+
+#: Room a slider's value readout and margins take in JupyterLab (ipywidgets 8), in px,
+#: as measured by tools/check_widgets.py: the track is the width less label and this.
+READOUT_PX = 96
+
+
+def slider_layout(label_px: int, track_px: int) -> dict[str, Any]:
+    """Keyword arguments giving an ipywidgets slider a ``label_px`` wide label column and
+    a track about ``track_px`` wide (both in CSS pixels), whatever its label's length.
+
+    A slider left at ipywidgets' default width (300 px in JupyterLab) gives its label what
+    it needs and the track the rest, which for a long label is a few dozen pixels: a drag
+    then jumps across most of the range. Fixed columns keep the track usable with a mouse.
+    """
+    import ipywidgets as widgets
+
+    return {
+        "layout": widgets.Layout(width=f"{label_px + track_px + READOUT_PX}px"),
+        "style": {"description_width": f"{label_px}px"},
+    }
+
+
 # --- effective batch (notebook 00) -----------------------------------------------------
 
 #: Row labels of :func:`effective_batch_table`, in display order, with their units.
@@ -77,8 +103,8 @@ def effective_batch_html(table: dict[str, int]) -> str:
             f"table is missing {missing}; build it with effective_batch_table(...)"
         )
     rows = "".join(
-        f"<tr><td style='text-align:left'>{html.escape(label)}</td>"
-        f"<td style='text-align:right'><b>{table[key]}</b></td></tr>"
+        f"<tr><td style='text-align:left;{CELL_STYLE}'>{html.escape(label)}</td>"
+        f"<td style='text-align:right;{CELL_STYLE}'><b>{table[key]}</b></td></tr>"
         for key, label in EFFECTIVE_BATCH_LABELS.items()
     )
     return f"<table>{rows}</table>"
@@ -107,27 +133,27 @@ def effective_batch_widget(
         tensor_parallel_size,
         pipeline_parallel_size,
     )
-    style = {"description_width": "initial"}
+    columns = slider_layout(label_px=210, track_px=250)
     sliders = {
         "micro_batch_size": widgets.IntSlider(
             value=start["micro_batch_size"], min=1, max=max(64, micro_batch_size),
-            description="m (examples / microbatch)", style=style,
+            description="m (examples / microbatch)", **columns,
         ),
         "accumulation_steps": widgets.IntSlider(
             value=start["accumulation_steps"], min=1, max=max(64, accumulation_steps),
-            description="A (microbatches / window)", style=style,
+            description="A (microbatches / window)", **columns,
         ),
         "data_parallel_size": widgets.IntSlider(
             value=start["replicas"], min=1, max=max(16, data_parallel_size),
-            description="D (data-parallel replicas)", style=style,
+            description="D (data-parallel replicas)", **columns,
         ),
         "tensor_parallel_size": widgets.IntSlider(
             value=tensor_parallel_size, min=1, max=max(8, tensor_parallel_size),
-            description="T (tensor-parallel GPUs)", style=style,
+            description="T (tensor-parallel GPUs)", **columns,
         ),
         "pipeline_parallel_size": widgets.IntSlider(
             value=pipeline_parallel_size, min=1, max=max(8, pipeline_parallel_size),
-            description="P (pipeline stages)", style=style,
+            description="P (pipeline stages)", **columns,
         ),
     }
     output = widgets.HTML(value=effective_batch_html(start))
@@ -223,15 +249,16 @@ def token_weighting_html(result: dict[str, Any]) -> str:
     if missing:
         raise ValueError(f"result is missing {missing}; build it with token_weighting(...)")
     head = "".join(
-        f"<th>{html.escape(h)}</th>"
+        f"<th style='{CELL_STYLE}'>{html.escape(h)}</th>"
         for h in ("microbatch", "targets", "mean loss (nats)", "share: token mean",
                   "share: average of averages", "one target counts ×")
     )
     rows = "".join(
-        f"<tr><td>{i}</td><td>{n}</td><td>{loss:.3f}</td>"
-        f"<td style='text-align:left'>{_share_bar(w_tok, '#4c72b0')}</td>"
-        f"<td style='text-align:left'>{_share_bar(w_avg, '#dd8452')}</td>"
-        f"<td>{ratio:.2f}</td></tr>"
+        f"<tr><td style='{CELL_STYLE}'>{i}</td><td style='{CELL_STYLE}'>{n}</td>"
+        f"<td style='{CELL_STYLE}'>{loss:.3f}</td>"
+        f"<td style='text-align:left;{CELL_STYLE}'>{_share_bar(w_tok, '#4c72b0')}</td>"
+        f"<td style='text-align:left;{CELL_STYLE}'>{_share_bar(w_avg, '#dd8452')}</td>"
+        f"<td style='{CELL_STYLE}'>{ratio:.2f}</td></tr>"
         for i, (n, loss, w_tok, w_avg, ratio) in enumerate(
             zip(result["target_counts"], result["mean_losses"], result["token_mean_weights"],
                 result["average_of_averages_weights"], result["target_weight_ratio"],
@@ -251,8 +278,9 @@ def token_weighting_widget(
     mean_losses: Sequence[float] = (2.0, 4.0, 3.0),
 ) -> Any:
     """Sliders for each microbatch's target count and mean loss over
-    :func:`token_weighting`; returns an ``ipywidgets.VBox`` with one row of two sliders
-    per microbatch and, last, an ``HTML`` widget holding :func:`token_weighting_html`.
+    :func:`token_weighting`; returns an ``ipywidgets.VBox`` with one row per microbatch
+    and, last, an ``HTML`` widget holding :func:`token_weighting_html`. A row holds two
+    ``VBox`` columns, each a ``Label`` above its slider: the target count, then the mean loss.
 
     The arguments set the number of microbatches and the sliders' starting values.
     Moving a slider recomputes the table with the pure function (no printing).
@@ -260,15 +288,16 @@ def token_weighting_widget(
     import ipywidgets as widgets
 
     start = token_weighting(target_counts, mean_losses)
-    style = {"description_width": "initial"}
+    # Labels above the tracks: two sliders with their labels beside them do not fit a
+    # notebook's width with a usable track each.
+    track = slider_layout(label_px=0, track_px=240)
     counts = [
-        widgets.IntSlider(value=n, min=1, max=max(4096, n), step=1,
-                          description=f"microbatch {i}: targets", style=style)
-        for i, n in enumerate(start["target_counts"])
+        widgets.IntSlider(value=n, min=1, max=max(4096, n), step=1, **track)
+        for n in start["target_counts"]
     ]
     losses = [
         widgets.FloatSlider(value=loss, min=min(0.0, loss), max=max(8.0, loss), step=0.1,
-                            description="mean loss (nats)", style=style)
+                            **track)
         for loss in start["mean_losses"]
     ]
     output = widgets.HTML(value=token_weighting_html(start))
@@ -279,5 +308,11 @@ def token_weighting_widget(
 
     for slider in (*counts, *losses):
         slider.observe(refresh, names="value")
-    rows = [widgets.HBox([c, s]) for c, s in zip(counts, losses, strict=True)]
+    rows = [
+        widgets.HBox([
+            widgets.VBox([widgets.Label(f"microbatch {i}: targets"), count]),
+            widgets.VBox([widgets.Label(f"microbatch {i}: mean loss (nats)"), loss]),
+        ])
+        for i, (count, loss) in enumerate(zip(counts, losses, strict=True))
+    ]
     return widgets.VBox([*rows, output])
