@@ -1,31 +1,79 @@
 # Two commands for a fresh machine: `make lab` (open the course) and `make test`.
+# `make check` is the one-minute smoke check to run before a workshop.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# The CPU build of PyTorch 2.13.0; set TORCH to another pin for a GPU machine.
-TORCH  ?= torch==2.13.0
+
+# PyTorch: the version the course is tested with, and where pip gets it.
+TORCH_VERSION := 2.13.0
+TORCH ?= torch==$(TORCH_VERSION)
+# TORCH_INDEX chooses the wheel index for PyTorch only (the other packages come from
+# pip's usual index). Empty, the default: pip's usual index (PyPI), which serves the
+# CUDA build on Linux (several GB with its NVIDIA libraries), the Apple-silicon build on
+# macOS and the CPU build on Windows. `cpu`: PyTorch's CPU-only wheels (about 190 MB),
+# the right choice for a Linux machine without an NVIDIA GPU. Any other name (cu126,
+# cu128, ...) picks that CUDA build; a full URL is used as given.
+TORCH_INDEX ?=
+TORCH_INDEX_BASE := https://download.pytorch.org/whl
+torch_index_url = $(if $(findstring ://,$(TORCH_INDEX)),$(TORCH_INDEX),$(TORCH_INDEX_BASE)/$(strip $(TORCH_INDEX)))
+torch_pip_args = $(if $(strip $(TORCH_INDEX)),--index-url $(torch_index_url))
+torch_default_note := pip's default index; on Linux that is the CUDA build, several GB: on a Linux machine without an NVIDIA GPU stop here and run make lab TORCH_INDEX=cpu
+torch_from = $(if $(strip $(TORCH_INDEX)),$(strip $(TORCH_INDEX)) build from $(torch_index_url),$(torch_default_note))
+
+# pip shows its own progress; PIPFLAGS=-q (as CI sets it) keeps only warnings and errors.
+# (Not PIP_...: pip reads every PIP_* environment variable as one of its own options.)
+PIPFLAGS ?=
+PIP := $(BIN)/python -m pip install --disable-pip-version-check $(PIPFLAGS)
+
+# JupyterLab: the port it tries first (it moves to the next free one if taken) and any
+# extra arguments, e.g. LAB_ARGS=--no-browser on a machine without a browser or over SSH.
+LAB_PORT ?= 8888
+LAB_ARGS ?=
+LAB_NOTEBOOK := notebooks/00_start_here.ipynb
+
 # Deterministic, headless runs for tests and notebook re-execution.
 export MPLBACKEND := Agg
 export PYTHONHASHSEED := 0
 TEST_ENV := TQDM_DISABLE=1 OMP_NUM_THREADS=1
 NOTEBOOKS ?= $(sort $(wildcard notebooks/[0-9]*.ipynb))
 
-.PHONY: lab test unit nbval lint notebooks bench clean
+.PHONY: lab check test unit nbval lint notebooks bench clean
 
 $(BIN)/python:
+	@echo "creating the virtual environment $(VENV) with $(PYTHON) ..."
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[dev]"
-	touch $@
+$(VENV)/.installed-torch: | $(BIN)/python
+	@echo "installing PyTorch $(TORCH_VERSION) ($(torch_from)) ..."
+	$(PIP) $(torch_pip_args) "$(TORCH)"
+	@touch $@
 
-$(VENV)/.installed-lab: $(VENV)/.installed-dev
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[dev,lab]"
-	touch $@
+# The package with what the course needs: matplotlib, ipywidgets, tqdm.
+$(VENV)/.installed-core: pyproject.toml $(VENV)/.installed-torch
+	@echo "installing accumlab (editable) with matplotlib, ipywidgets and tqdm ..."
+	$(PIP) -e .
+	@touch $@
 
+$(VENV)/.installed-lab: $(VENV)/.installed-core
+	@echo "installing JupyterLab ..."
+	$(PIP) -e ".[lab]"
+	@touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed-core
+	@echo "installing the test tools (pytest, nbval, hypothesis, ruff) ..."
+	$(PIP) -e ".[dev]"
+	@touch $@
+
+# Serve the repository root (README, accumlab/, examples/ in the file browser); the URL
+# JupyterLab opens or prints (with its token) lands on notebook 00.
 lab: $(VENV)/.installed-lab
-	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/00_start_here.ipynb
+	@echo "starting JupyterLab at the repository root with $(LAB_NOTEBOOK) open (Ctrl-C twice stops it) ..."
+	$(BIN)/jupyter lab --ServerApp.root_dir=. --ServerApp.port=$(LAB_PORT) \
+	  --LabApp.default_url=/lab/tree/$(LAB_NOTEBOOK) \
+	  $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
+
+check: $(VENV)/.installed-core
+	$(BIN)/accumlab env --check
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
@@ -36,7 +84,7 @@ unit: $(VENV)/.installed-dev
 nbval: $(VENV)/.installed-dev
 	$(TEST_ENV) $(BIN)/python -m pytest -q -p no:cacheprovider --nbval $(NOTEBOOKS)
 
-test: lint unit nbval
+test: check lint unit nbval
 
 # Re-execute and save notebooks the way nbval sees them (NOTEBOOKS=notebooks/02_*.ipynb for one).
 notebooks: $(VENV)/.installed-dev

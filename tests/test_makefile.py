@@ -1,0 +1,118 @@
+"""The Makefile's install steps, read through ``make -n`` (prints the commands, runs none).
+
+This machine cannot reach PyTorch's wheel index, so the tests check that the choice of
+index reaches pip's command line, not that a download works.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+
+
+def dry_run(tmp_path: Path, *args: str) -> list[str]:
+    """The commands ``make -n`` would run for a fresh virtual environment in tmp_path."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TORCH_INDEX", "TORCH", "PIPFLAGS", "LAB_ARGS", "LAB_PORT", "MAKEFLAGS")}
+    result = subprocess.run(
+        ["make", "-n", "-C", str(ROOT), f"VENV={tmp_path / 'venv'}", *args],
+        capture_output=True, text=True, env=env, timeout=60, check=True,
+    )
+    return result.stdout.splitlines()
+
+
+def pip_lines(lines: list[str]) -> list[str]:
+    return [line for line in lines if " -m pip install " in line]
+
+
+def torch_line(lines: list[str]) -> str:
+    (line,) = [line for line in pip_lines(lines) if '"torch==' in line]
+    return line
+
+
+def test_default_installs_the_pinned_torch_from_pips_own_index(tmp_path):
+    lines = dry_run(tmp_path, "lab")
+    line = torch_line(lines)
+    assert '"torch==2.13.0"' in line and "--index-url" not in line
+    # the step says what it installs, and what to do on a Linux machine without a GPU
+    (said,) = [line for line in lines if "installing PyTorch 2.13.0" in line]
+    assert "TORCH_INDEX=cpu" in said
+
+
+@pytest.mark.parametrize(
+    ("choice", "url"),
+    [
+        ("cpu", CPU_INDEX),
+        ("cu128", "https://download.pytorch.org/whl/cu128"),
+        ("https://mirror.example/torch/cpu", "https://mirror.example/torch/cpu"),
+    ],
+)
+def test_torch_index_reaches_pip_for_torch_only(tmp_path, choice, url):
+    lines = dry_run(tmp_path, "lab", f"TORCH_INDEX={choice}")
+    assert f"--index-url {url} " in torch_line(lines)
+    others = [line for line in pip_lines(lines) if '"torch==' not in line]
+    assert others and not any("--index-url" in line for line in others)
+    (said,) = [line for line in lines if "installing PyTorch 2.13.0" in line]
+    assert url in said
+
+
+def test_lab_installs_the_course_and_not_the_test_tools(tmp_path):
+    lines = pip_lines(dry_run(tmp_path, "lab"))
+    assert any('-e ".[lab]"' in line for line in lines)
+    assert not any(".[dev" in line or "dev]" in line for line in lines)
+    tests = pip_lines(dry_run(tmp_path, "test"))
+    assert any('-e ".[dev]"' in line for line in tests)
+    assert not any(".[lab" in line or "lab]" in line for line in tests)
+
+
+def test_every_install_step_is_announced_and_pip_is_not_silenced(tmp_path):
+    lines = dry_run(tmp_path, "lab")
+    for i, line in enumerate(lines):
+        if " -m pip install " in line:
+            assert lines[i - 1].startswith('echo "installing '), line
+            assert not re.search(r"\s-q\b", line)  # pip shows its own progress
+    quiet = pip_lines(dry_run(tmp_path, "test", "PIPFLAGS=-q"))
+    assert quiet and all(re.search(r"\s-q\b", line) for line in quiet)
+
+
+def test_lab_serves_the_repository_root_with_notebook_00(tmp_path):
+    lines = dry_run(tmp_path, "lab", "LAB_PORT=9999", "LAB_ARGS=--no-browser")
+    start = " ".join(lines[lines.index(next(x for x in lines if "jupyter lab" in x)):])
+    assert "--ServerApp.root_dir=. " in start
+    assert "--LabApp.default_url=/lab/tree/notebooks/00_start_here.ipynb" in start
+    assert "--ServerApp.port=9999" in start and "--no-browser" in start
+    assert (ROOT / "notebooks" / "00_start_here.ipynb").is_file()
+
+
+def test_check_and_test_run_the_smoke_check(tmp_path):
+    assert any(line.endswith("accumlab env --check") for line in dry_run(tmp_path, "check"))
+    assert any(line.endswith("accumlab env --check") for line in dry_run(tmp_path, "test"))
+
+
+def test_extras_split_the_course_from_the_test_tools():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!~ \[;]", dep)[0].lower() for dep in project["dependencies"]}
+    assert {"torch", "matplotlib", "ipywidgets"} <= names
+    extras = project["optional-dependencies"]
+    assert any(dep.startswith("jupyterlab") for dep in extras["lab"])
+    assert not any(dep.startswith(("pytest", "nbval", "ruff", "hypothesis")) for dep in extras["lab"])
+    assert {"pytest", "nbval", "ruff"} <= {re.split(r"[<>=!~ ]", d)[0] for d in extras["dev"]}
+
+
+def test_ci_installs_the_torch_on_disk_and_runs_make_test():
+    script = (ROOT / ".ci" / "run").read_text()
+    (install,) = [line for line in script.splitlines() if "pip install" in line]
+    assert '"torch==2.13.0"' in install and "index-url" not in install
+    assert re.search(r"^make test\b", script, re.MULTILINE)
+    assert "TORCH_INDEX" not in script  # never PyTorch's index (a CUDA or remote download)
