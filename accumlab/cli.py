@@ -178,8 +178,8 @@ def prepare_record_path(path: str | os.PathLike[str], *, force: bool) -> Path:
 
     Creates the parent directories and a throw-away file beside ``path`` (proof that the
     directory takes new files). Raises ``ValueError`` for an empty path,
-    :class:`CommandError` when ``path`` is a directory or already exists and ``force`` is
-    false, and ``OSError`` when the directory cannot be created or written.
+    :class:`CommandError` when ``path`` is a directory, already exists and ``force`` is
+    false, or its directory cannot be created or written.
     """
     if not str(path).strip():
         raise ValueError("--record needs a file path such as runs/run.json, got an empty one")
@@ -190,10 +190,18 @@ def prepare_record_path(path: str | os.PathLike[str], *, force: bool) -> Path:
     if target.exists() and not force:
         raise CommandError(f"{target} already exists; pass --force to overwrite it, or "
                            "choose another --record path")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.",
-                                     suffix=".tmp"):
-        pass
+    blocker = next((p for p in target.parents if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise CommandError(f"cannot write the run record to {target}: {blocker} is a file, "
+                           "not a directory")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.",
+                                         suffix=".tmp"):
+            pass
+    except OSError as exc:
+        raise CommandError(f"cannot write the run record to {target}: "
+                           f"{exc.strerror or exc}") from exc
     return target
 
 

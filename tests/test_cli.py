@@ -146,6 +146,7 @@ def test_unwritable_record_is_refused_before_training(tmp_path, capsys, no_train
     err = capsys.readouterr().err
     assert err.startswith("accumlab: error: ") and err.count("\n") == 1
     assert "Traceback" not in err
+    assert ("is a file, not a directory" if where == "under_a_file" else "is a directory") in err
 
 
 def test_empty_record_path_is_a_usage_error(capsys, no_training):
