@@ -185,3 +185,84 @@ def test_token_counting_mistake_is_caught_on_the_gpt_case() -> None:
 
     message = ex01.check_accumulate_window(by_examples)
     assert message is not None and "tiny GPT" in message
+
+
+# --- every exercise: wrong answers named through check(), stubs, the committed notebooks --
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        (lambda gpus, t=1, p=1: gpus, "a GPU is not a replica"),
+        (lambda gpus, t=1, p=1: gpus // (t * p), "raise ValueError"),
+        (lambda gpus, t=1, p=1: ex00.reference_replicas(gpus, t, p) / 1, "return an int"),
+        (lambda gpus, t=1, p=1: gpus // t, "expected"),  # pipeline stages forgotten
+        (lambda gpus, t=1, p=1: ex00.reference_replicas(1, 2), "raised ValueError, but"),
+        (8, "expected a function"),
+    ],
+)
+def test_wrong_replicas_are_named_by_check(answer: Any, reason: str, capsys: Any) -> None:
+    assert not ex00.replicas.check(answer)
+    out = capsys.readouterr().out
+    assert out.startswith("❌ replicas:") and reason in out
+
+
+def test_reference_replicas_passes_through_check(capsys: Any) -> None:
+    assert ex00.replicas.check(ex00.reference_replicas)
+    assert capsys.readouterr().out == "✅ replicas: correct\n"
+
+
+def zero_gradient(model: nn.Module, window: Window, objective: Any, forward: Forward) -> None:
+    for mb in window:
+        (0.0 * _loss(model, mb, objective, forward)).backward()
+
+
+def test_a_zero_gradient_is_named(capsys: Any) -> None:
+    assert not ex01.accumulate_window.check(zero_gradient)
+    assert "the gradient is zero" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        (no_division, "times the full-batch gradient"),
+        (average_of_means, "average of the microbatch means"),
+        (zero_grad_inside, "only the last microbatch"),
+        (steps_inside, "the weights changed"),
+    ],
+)
+def test_wrong_windows_are_named_by_check(answer: Any, reason: str, capsys: Any) -> None:
+    assert not ex01.accumulate_window.check(answer)
+    out = capsys.readouterr().out
+    assert out.startswith("❌ accumulate_window:") and reason in out
+
+
+def _raises_stub(*args: Any) -> Any:
+    raise NotImplementedError("your code here")
+
+
+@pytest.mark.parametrize(
+    "exercise", [ex00.accumulation_steps, ex00.replicas, ex01.accumulate_window], ids=str
+)
+def test_a_stub_is_not_attempted_yet(exercise: Any, capsys: Any) -> None:
+    for answer in (_raises_stub, None, ...):
+        assert exercise.check(answer) is False
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 3 and len(set(lines)) == 1  # one stable line, whatever the stub
+    assert lines[0].startswith(f"⏳ {exercise.name}: not attempted yet")
+    assert f"{exercise.path}.hint()" in lines[0] and f"{exercise.path}.solution()" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("notebook", "exercises"),
+    [
+        ("00_start_here.ipynb", {"accumulation_steps": "ex00", "replicas": "ex00"}),
+        ("01_single_device_loop.ipynb", {"accumulate_window": "ex01"}),
+    ],
+)
+def test_the_committed_notebooks_ship_the_exercises_unsolved(
+    notebook: str, exercises: dict[str, str]
+) -> None:
+    from notebook_exercises import assert_unsolved
+
+    assert_unsolved(notebook, exercises)

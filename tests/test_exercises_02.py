@@ -114,3 +114,48 @@ def test_hints_and_solution_print(capsys):
     out = capsys.readouterr().out
     assert "hint 3/3" in out
     assert "def reference_window_token_loss" in out and "reduction=\"sum\"" in out
+
+
+def test_the_printed_numbers_are_rounded_to_stable_digits(capsys):
+    """The verdict is compared by strict nbval: float32 sums may change the 6th decimal
+    from run to run, so the checker prints 4 significant digits."""
+    assert ex02.window_token_loss.check(average_of_averages) is False
+    out = capsys.readouterr().out
+    assert "you returned 2.829, the window's token mean is 2.854" in out
+
+
+def test_forgetting_to_divide_fails_and_is_named(capsys):
+    def window_sum(logits, labels):
+        return sum(_flat_ce(x, y, reduction="sum") for x, y in zip(logits, labels, strict=True))
+
+    assert ex02.window_token_loss.check(window_sum) is False
+    assert "without dividing by its target count" in capsys.readouterr().out
+
+
+def test_an_average_that_skips_empty_microbatches_is_still_an_average_of_averages(capsys):
+    def skips_empty(logits, labels):
+        means = [_flat_ce(x, y) for x, y in zip(logits, labels, strict=True)
+                 if bool((y[:, 1:] != -100).any())]
+        return sum(means) / len(means)
+
+    assert ex02.window_token_loss.check(skips_empty) is False
+    assert "average of the per-microbatch means" in capsys.readouterr().out
+
+
+def test_a_stub_is_not_attempted_yet(capsys):
+    def stub(logits, labels):
+        raise NotImplementedError("your code here")
+
+    for answer in (stub, None, ...):
+        assert ex02.window_token_loss.check(answer) is False
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 3 and len(set(lines)) == 1  # the same stable line each time
+    assert lines[0].startswith("⏳ window_token_loss: not attempted yet")
+    assert "ex02.window_token_loss.hint()" in lines[0]
+    assert "ex02.window_token_loss.solution()" in lines[0]
+
+
+def test_the_committed_notebook_ships_the_exercise_unsolved():
+    from notebook_exercises import assert_unsolved
+
+    assert_unsolved("02_token_weighting.ipynb", {"window_token_loss": "ex02"})
