@@ -361,17 +361,64 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module under any ``torch.compile`` wrappers (``OptimizedModule._orig_mod``), so
+    that ``torch.compile(DistributedDataParallel(model))`` is seen as the DDP model it is."""
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        model = model._orig_mod
+    return model
+
+
 def _is_fsdp2(model: nn.Module) -> bool:
-    return hasattr(model, "set_requires_gradient_sync")
+    return hasattr(unwrap(model), "set_requires_gradient_sync")
+
+
+def _fsdp2_group(model: nn.Module) -> Any:
+    """The process group over every rank of the device mesh given to ``fully_shard``.
+
+    A 1-D mesh is plain FSDP; a 2-D mesh is HSDP (replicate × shard), and both of its
+    dimensions hold data-parallel replicas. The mesh is read from FSDP2's state (no public
+    getter in torch 2.13); without it, from the first parameter's DTensor mesh when it is
+    1-D, else the whole world.
+    """
+    mesh = None
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = fully_shard.state(unwrap(model))._fsdp_param_group.mesh_info.mesh  # type: ignore[attr-defined]
+    except (AttributeError, ImportError, RuntimeError):
+        first = next(iter(model.parameters()), None)
+        candidate = getattr(first, "device_mesh", None)
+        mesh = candidate if candidate is not None and candidate.ndim == 1 else None
+    if mesh is None:
+        return dist.group.WORLD
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    return mesh._flatten().get_group()  # HSDP: replicas along both dimensions
+
+
+def data_parallel_group(model: nn.Module) -> Any:
+    """The process group of the model's data-parallel replicas: DDP's ``process_group``,
+    or the ranks of FSDP2's device mesh. ``None`` for a model that is not data parallel.
+
+    Every data-parallel collective of the loop (the global count, rank alignment, the
+    skip decision, ledger sums) runs on this group: ranks outside it that share the same
+    data (tensor- or pipeline-parallel peers) must not be counted as replicas.
+    """
+    inner = unwrap(model)
+    if isinstance(inner, DistributedDataParallel):
+        return inner.process_group
+    if _is_fsdp2(inner) and is_distributed():
+        return _fsdp2_group(inner)
+    return None
 
 
 def replicas_of(model: nn.Module) -> int:
-    """``D`` for this model: the world size when the model is DDP- or FSDP2-wrapped, else 1."""
-    if isinstance(model, DistributedDataParallel):
-        return dist.get_world_size(model.process_group)
-    if _is_fsdp2(model) and is_distributed():
-        return dist.get_world_size()
-    return 1
+    """``D`` for this model: the size of its data-parallel group (DDP's ``process_group``,
+    FSDP2's device mesh) when it is DDP- or FSDP2-wrapped, under ``torch.compile`` or not;
+    else 1."""
+    group = data_parallel_group(model)
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def check_replicas(model: nn.Module, plan: AccumulationPlan | None = None) -> int:
@@ -391,6 +438,8 @@ def check_replicas(model: nn.Module, plan: AccumulationPlan | None = None) -> in
             "it (DistributedDataParallel(model) or fully_shard(model)), or run "
             "single-process code outside the process group"
         )
+    if plan is not None and replicas > 1:  # first, so that every rank raises the same error
+        check_plans_agree(plan, data_parallel_group(model))
     if plan is not None and plan.data_parallel_size != replicas:
         raise ValueError(
             f"plan.data_parallel_size={plan.data_parallel_size} but the model has "
@@ -401,13 +450,48 @@ def check_replicas(model: nn.Module, plan: AccumulationPlan | None = None) -> in
     return replicas
 
 
-def global_count(local: int, replicas: int, device: torch.device) -> int:
-    """The window's unit count summed over replicas (one all-reduce; ``local`` if D is 1)."""
+def check_plans_agree(plan: AccumulationPlan, group: Any = None) -> None:
+    """Raise ``ValueError`` (on every rank) naming the first field in which the ranks of
+    ``group`` (``None``: the world) hold different plans. Collective: one all-gather.
+
+    Ranks with different plans would meet different collectives (different numbers of
+    microbatches per window) and fail deep inside the backend, or train on different
+    effective batches; checking once, before any data is read, says which field differs.
+    """
+    if not is_distributed():
+        return
+    fields = plan.to_dict()
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, fields, group=group)
+    for name in fields:
+        values = [g[name] for g in gathered]
+        if any(v != values[0] for v in values):
+            shown = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            raise ValueError(
+                f"the ranks' plans differ in {name} ({shown}; ranks numbered within the "
+                "data-parallel group); build the same AccumulationPlan on every rank"
+            )
+
+
+def global_count(local: int, replicas: int, device: torch.device, group: Any = None) -> int:
+    """The window's unit count summed over the ``replicas`` ranks of the data-parallel
+    ``group`` (``None``: the world); one all-reduce, none (``local``) when D is 1."""
     if replicas == 1:
         return local
     total = torch.tensor([local], dtype=torch.int64, device=device)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     return int(total.item())
+
+
+def any_rank(flag: bool, group: Any) -> bool:
+    """True when ``flag`` is True on any rank of ``group`` (one all-reduce, MAX);
+    ``flag`` itself for ``group=None`` or outside a multi-rank process group. Every rank
+    of the group must call it."""
+    if group is None or not is_distributed():
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
 
 
 @contextlib.contextmanager
@@ -417,6 +501,7 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     Wrap the forward *and* the backward of a microbatch: DDP decides at forward time
     whether the following backward will all-reduce. For a plain module this does nothing.
     """
+    model = unwrap(model)
     if enabled:
         yield
     elif isinstance(model, DistributedDataParallel):
@@ -481,18 +566,19 @@ def _collective_device() -> torch.device:
     return local_device()
 
 
-def gather_counts(values: Sequence[int]) -> list[list[int]]:
-    """Every rank's ``values`` (same length on every rank), in rank order: one all-reduce.
+def gather_counts(values: Sequence[int], group: Any = None) -> list[list[int]]:
+    """Every rank's ``values`` (same length on every rank), in the order of the ranks of
+    ``group`` (``None``: the world): one all-reduce.
 
     Without a process group of more than one rank, returns ``[list(values)]``.
     """
     values = [int(v) for v in values]
     if not is_distributed():
         return [values]
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     table = torch.zeros((world, len(values)), dtype=torch.int64, device=_collective_device())
     table[rank] = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(table, op=dist.ReduceOp.SUM)
+    dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)
     return table.cpu().tolist()
 
 
@@ -615,7 +701,7 @@ def _no_data_error(microbatches_per_rank: Sequence[int]) -> ValueError:
 
 
 def aligned_windows(
-    plan: AccumulationPlan, batches: Iterable[Any], objective: Objective
+    plan: AccumulationPlan, batches: Iterable[Any], objective: Objective, group: Any = None
 ) -> Iterator[AlignedWindow]:
     """This rank's windows, padded so that every rank runs the same number of update
     attempts with the same number of microbatches in each.
@@ -630,6 +716,8 @@ def aligned_windows(
     global target count, and make every rank synchronize at the same microbatch index.
     Raises ``RuntimeError`` if ``batches`` yields a different number of microbatches than
     its ``len``, and ``ValueError`` (on every rank) if a rank has no microbatch at all.
+    The ranks that align are those of ``group``, the model's data-parallel group
+    (:func:`data_parallel_group`; ``None``: the world).
     """
     windows = plan.windows(batches)
     if not is_distributed():
@@ -640,15 +728,15 @@ def aligned_windows(
     try:
         local = len(batches)  # type: ignore[arg-type]
     except TypeError:
-        yield from _aligned_lazily(plan, windows, objective)
+        yield from _aligned_lazily(plan, windows, objective, group)
         return
-    yield from _aligned_by_length(plan, windows, objective, int(local))
+    yield from _aligned_by_length(plan, windows, objective, int(local), group)
 
 
 def _aligned_by_length(
-    plan: AccumulationPlan, windows: Iterator[Window], objective: Objective, local: int
+    plan: AccumulationPlan, windows: Iterator[Window], objective: Objective, local: int, group: Any
 ) -> Iterator[AlignedWindow]:
-    counts = [row[0] for row in gather_counts([local])]
+    counts = [row[0] for row in gather_counts([local], group=group)]
     if min(counts) == 0:
         raise _no_data_error(counts)
     lengths = window_lengths(counts, plan)
@@ -683,7 +771,7 @@ def _length_lied(local: int, read: int) -> str:
 
 
 def _aligned_lazily(
-    plan: AccumulationPlan, windows: Iterator[Window], objective: Objective
+    plan: AccumulationPlan, windows: Iterator[Window], objective: Objective, group: Any
 ) -> Iterator[AlignedWindow]:
     pad: dict[str, Any] | None = None
     template: Any = None
@@ -693,7 +781,7 @@ def _aligned_lazily(
         trained, dropped = _split(window, plan)
         if template is None and window is not None:
             template = window[0]
-        rows = gather_counts([len(trained), int(template is not None)])
+        rows = gather_counts([len(trained), int(template is not None)], group=group)
         target = max(row[0] for row in rows)
         if target == 0:  # no rank trains any more; report a dropped short window, if any
             if window is not None:
@@ -843,8 +931,9 @@ _LEDGER_COUNTS = (
 _REPORT_COUNTS = ("examples", "targets", "microbatches", "backward_passes", "padding_microbatches")
 
 
-def reduce_ledger(ledger: Ledger) -> Ledger:
-    """The ledger summed over the ranks of the process group (collective).
+def reduce_ledger(ledger: Ledger, group: Any = None) -> Ledger:
+    """The ledger summed over the ranks of ``group``, the model's data-parallel group
+    (:func:`data_parallel_group`; ``None``: the world) (collective).
 
     Examples, targets, microbatches, backward passes, loader batches, padding and dropped
     counts are summed; update attempts/applied/skipped are the same on every aligned
@@ -857,7 +946,7 @@ def reduce_ledger(ledger: Ledger) -> Ledger:
         raise TypeError(f"ledger must be a Ledger, got {type(ledger).__name__}")
     if not is_distributed():
         return ledger
-    attempts = [row[0] for row in gather_counts([len(ledger.reports)])]
+    attempts = [row[0] for row in gather_counts([len(ledger.reports)], group)]
     if len(set(attempts)) > 1:
         raise ValueError(
             f"ranks made different numbers of update attempts {attempts}; train with "
@@ -868,7 +957,7 @@ def reduce_ledger(ledger: Ledger) -> Ledger:
         values.extend(float(getattr(report, name)) for name in _REPORT_COUNTS)
         values.append(report.loss_sum)
     summed = torch.tensor(values, dtype=torch.float64, device=_collective_device())
-    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
     totals = summed.cpu().tolist()
     head, rest = totals[: len(_LEDGER_COUNTS)], totals[len(_LEDGER_COUNTS) :]
     width = len(_REPORT_COUNTS) + 1
@@ -887,15 +976,15 @@ def reduce_ledger(ledger: Ledger) -> Ledger:
     )
 
 
-def rank_totals(ledger: Ledger) -> tuple[Ledger, dict[str, Any]]:
-    """``(reduce_ledger(ledger), per-rank fields)`` for ``RunRecord.from_run(...,
+def rank_totals(ledger: Ledger, group: Any = None) -> tuple[Ledger, dict[str, Any]]:
+    """``(reduce_ledger(ledger, group), per-rank fields)`` for ``RunRecord.from_run(...,
     reduce_over_ranks=True)`` (collective). The fields: ``ranks``, ``examples_per_rank``,
     ``targets_per_rank`` and ``padding_microbatches_per_rank``, in rank order."""
-    rows = gather_counts([ledger.examples, ledger.targets, ledger.padding_microbatches])
+    rows = gather_counts([ledger.examples, ledger.targets, ledger.padding_microbatches], group)
     totals = {
         "ranks": len(rows),
         "examples_per_rank": [row[0] for row in rows],
         "targets_per_rank": [row[1] for row in rows],
         "padding_microbatches_per_rank": [row[2] for row in rows],
     }
-    return reduce_ledger(ledger), totals
+    return reduce_ledger(ledger, group), totals

@@ -23,9 +23,16 @@ from torch import Tensor, nn
 from . import distributed
 from .ledger import Ledger, UpdateReport
 from .objectives import Objective, check_batch, count_window, upcast
-from .oom import train_window_shrinking
+from .oom import PartialUpdateError, train_window_shrinking
 from .plan import AccumulationPlan, check_positive_int
-from .precision import gradients_finite, parameters_of, precision_policy, resolve_scaler
+from .precision import (
+    PrecisionPolicy,
+    mark_skipped,
+    precision_policy,
+    resolve_scaler,
+    total_grad_norm,
+    update_parameters,
+)
 
 Forward = Callable[[nn.Module, Mapping[str, Tensor]], Any]
 NOT_MODEL_INPUTS = frozenset({"labels", "example_ids"})
@@ -99,7 +106,8 @@ def accumulate(
     device = model_device(model)
     policy = precision_policy(precision, device)
     replicas = distributed.replicas_of(model)
-    total = distributed.global_count(sum(counts), replicas, device)
+    group = distributed.data_parallel_group(model)
+    total = distributed.global_count(sum(counts), replicas, device, group)
     if total == 0:
         return Accumulated(counts, 0, replicas, 0.0, 0)
 
@@ -120,12 +128,10 @@ def accumulate(
 
 
 def grad_norm(parameters: Iterable[nn.Parameter]) -> float:
-    """L2 norm of all gradients together, in float32 or wider (``inf``/``nan`` when an entry is)."""
-    params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return 0.0
-    norms = torch.stack([torch.linalg.vector_norm(upcast(p.grad.detach())) for p in params])
-    return float(torch.linalg.vector_norm(norms))
+    """L2 norm of all gradients together; finite exactly when every entry is (a float64
+    fallback catches the overflow of large finite entries; see
+    ``precision.total_grad_norm``). A collective for FSDP2's sharded gradients."""
+    return float(total_grad_norm(parameters))
 
 
 def _lr(optimizer: torch.optim.Optimizer) -> float:
@@ -167,10 +173,13 @@ def train_window(
 
     Skipped attempts. An attempt is skipped, ``report.applied`` is False and the weights,
     the optimizer state and the scheduler are left as they were, when the window has no
-    targets or when any gradient is non-finite after unscaling. The check looks at each
-    gradient tensor (``precision.gradients_finite``); it neither trusts the return value
-    of ``scaler.step`` (``None`` whether or not the optimizer ran) nor the gradient norm
-    (which overflows for large finite gradients). With a scaler a skipped attempt still
+    targets or when any gradient is non-finite after unscaling. The check is the total
+    gradient norm, computed once (``precision.total_grad_norm``: float64 where float32
+    overflows, so it is finite exactly when every entry is) and reused for clipping; it
+    does not trust the return value of ``scaler.step`` (``None`` whether or not the
+    optimizer ran). Under data parallelism the decision is taken once for all replicas
+    (FSDP2's norm covers every shard, and one all-reduce over the data-parallel group
+    settles the rest), so every rank applies or skips together. With a scaler a skipped attempt still
     calls ``scaler.update()``, which multiplies the scale by its backoff factor;
     ``report.scale_before`` and ``report.scale_after`` show it. Without a scaler (fp32,
     bf16, or fp16 with a disabled scaler) a non-finite gradient skips the update
@@ -182,6 +191,15 @@ def train_window(
     default: the schedule counts updates that changed the weights, so a skipped attempt
     does not shift it), or once per attempt, skipped or not (``scheduler_per="attempt"``,
     the choice of loops that step the scheduler unconditionally).
+
+    The parameters. The update works on the parameters the optimizer holds. The model's
+    trainable parameters it does not hold get their gradients cleared every window and
+    are left out of the norm, the clipping and the check (one warning names them); an
+    optimizer holding none of them, or a model with none, is a ``ValueError`` before any
+    forward pass. Every gradient is cleared on the way out, also when an exception or a
+    ``KeyboardInterrupt`` stops the window half way. Out of memory inside
+    ``optimizer.step`` raises ``accumlab.oom.PartialUpdateError`` (a
+    ``torch.OutOfMemoryError``): the update was partly applied, restore a checkpoint.
     """
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(f"clip_grad_norm must be positive or None, got {clip_grad_norm!r}")
@@ -190,25 +208,70 @@ def train_window(
     if scheduler_per not in ("applied", "attempt"):
         raise ValueError(f"scheduler_per must be 'applied' or 'attempt', got {scheduler_per!r}")
     distributed.check_replicas(model)  # a plain model in a multi-rank group is an error
-    policy = precision_policy(precision, model_device(model))
+    stepped, orphans = update_parameters(model, optimizer)  # raises before any forward
+    scaler = _window_scaler(precision_policy(precision, model_device(model)), scaler)
+    scale_before = float(scaler.get_scale()) if scaler is not None else None
+    lr = _lr(optimizer)
+
+    _clear_gradients(optimizer, orphans)
+    try:
+        acc = accumulate(
+            model, window, objective, forward=forward, precision=precision, scaler=scaler,
+            meter=meter,
+        )  # fmt: skip
+        report = _new_report(index, window, acc, lr, scale_before)
+        if acc.global_count == 0:
+            report.skipped_reason = "no targets"
+            if scheduler is not None and scheduler_per == "attempt":
+                scheduler.step()  # an attempt, skipped or not
+            return report
+        with _phase(meter, "update"):
+            report.applied = _update(
+                model, optimizer, stepped, scaler, clip_grad_norm, nonfinite, report
+            )
+    finally:
+        # Also on an error or KeyboardInterrupt: a caller who catches it and goes on must
+        # not add this window's partial gradients to the next one.
+        _clear_gradients(optimizer, orphans)
+    report.skipped_reason = None if report.applied else "non-finite gradient"
+    if scheduler is not None and (report.applied or scheduler_per == "attempt"):
+        scheduler.step()
+    return report
+
+
+def _window_scaler(
+    policy: PrecisionPolicy, scaler: torch.amp.GradScaler | None
+) -> torch.amp.GradScaler | None:
+    """``resolve_scaler``, with a warning when fp16 runs without the caller's scaler."""
     if scaler is None and policy.needs_scaler:
         warnings.warn(
             "train_window(precision='fp16') without a scaler makes a GradScaler for this "
             "window alone, so its scale cannot adapt from window to window; create one "
             "torch.amp.GradScaler and pass it to every window (train() does this)",
             UserWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
-    scaler = resolve_scaler(policy, scaler)
-    scale_before = float(scaler.get_scale()) if scaler is not None else None
-    lr = _lr(optimizer)
+    return resolve_scaler(policy, scaler)
 
+
+def _clear_gradients(optimizer: torch.optim.Optimizer, orphans: Sequence[Tensor]) -> None:
+    """Set every gradient the next window could see to None: the optimizer's parameters'
+    and those of the model's trainable parameters it does not hold (``orphans``)."""
     optimizer.zero_grad(set_to_none=True)
-    acc = accumulate(
-        model, window, objective, forward=forward, precision=precision, scaler=scaler, meter=meter
-    )
+    for p in orphans:
+        p.grad = None
+
+
+def _new_report(
+    index: int,
+    window: Sequence[Mapping[str, Tensor]],
+    acc: Accumulated,
+    lr: float,
+    scale: float | None,
+) -> UpdateReport:
+    """The report of a window before its update: counts and loss, nothing applied yet."""
     local = sum(acc.counts)
-    report = UpdateReport(
+    return UpdateReport(
         index=index,
         applied=False,
         examples=sum(_examples(mb) for mb in window),
@@ -220,57 +283,80 @@ def train_window(
         loss_sum=acc.loss_sum,
         grad_norm=0.0,
         lr=lr,
-        scale_before=scale_before,
-        scale_after=scale_before,
+        scale_before=scale,
+        scale_after=scale,
         replicas=acc.replicas,
     )
-    if acc.global_count == 0:
-        report.skipped_reason = "no targets"
-        if scheduler is not None and scheduler_per == "attempt":
-            scheduler.step()  # an attempt, skipped or not
-        return report
 
-    with _phase(meter, "update"):
-        if scaler is not None:
-            scaler.unscale_(optimizer)  # once, after the last contribution
-        params = parameters_of(model, optimizer)
-        report.grad_norm = grad_norm(params)
-        # A finite norm proves every entry finite. A non-finite norm may be an overflow of
-        # large finite entries, so only then look tensor by tensor. (scaler.step returns
-        # the optimizer's own return value, None either way: it cannot tell.)
-        finite = math.isfinite(report.grad_norm) or gradients_finite(params)
-        if finite and clip_grad_norm is not None:  # clipping inf/nan would make every entry nan
-            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
-        if scaler is not None:
-            # An unscaled gradient that is finite was finite when scaled, so the scaler
-            # agrees and steps. A non-finite one is never handed to scaler.step: the
-            # scaler would skip it too, except when a scale below 1 made unscaling overflow.
-            if finite:
-                scaler.step(optimizer)
-            scaler.update()  # backs the scale off after a skipped attempt
-            report.scale_after = float(scaler.get_scale())
-            if not finite and not report.scale_after < scale_before:  # type: ignore[operator]
-                warnings.warn(
-                    f"window {index}: the gradient was non-finite only after unscaling (scale "
-                    f"{scale_before:g}); the update was skipped but the GradScaler did not "
-                    "reduce its scale",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-        elif finite:
-            optimizer.step()
-        elif nonfinite == "raise":
-            optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(
-                f"non-finite gradient (norm {report.grad_norm}) in window {index}; "
-                "the update was not applied"
+
+def _update(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[Tensor],
+    scaler: torch.amp.GradScaler | None,
+    clip_grad_norm: float | None,
+    nonfinite: str,
+    report: UpdateReport,
+) -> bool:
+    """The window boundary: unscale, measure, decide, clip, step, update the scale.
+
+    Returns whether the update was applied; sets ``report.grad_norm`` and
+    ``report.scale_after``. The norm of ``params``' gradients is computed once
+    (``total_grad_norm``: finite exactly when every entry is, and global over FSDP2's
+    shards) and reused for clipping. The decision is then made the same on every
+    data-parallel rank (one small all-reduce when D > 1), so all of them step or skip
+    together and none enters the step's collectives alone.
+    """
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # once, after the last contribution
+    norm = total_grad_norm(params)
+    report.grad_norm = float(norm)
+    nonfinite_anywhere = distributed.any_rank(
+        not math.isfinite(report.grad_norm), distributed.data_parallel_group(model)
+    )
+    finite = not nonfinite_anywhere
+    if finite and clip_grad_norm is not None:  # clipping inf/nan would make every entry nan
+        torch.nn.utils.clip_grads_with_norm_(params, clip_grad_norm, norm)
+    if scaler is not None:
+        # A finite unscaled gradient was finite when scaled, so the scaler agrees and
+        # steps; a non-finite one is never handed to scaler.step.
+        if finite:
+            _step(lambda: scaler.step(optimizer), report.index)
+        elif report.replicas > 1:
+            mark_skipped(scaler, optimizer)  # the inf may be in a peer's shard only
+        scaler.update()  # backs the scale off after a skipped attempt
+        report.scale_after = float(scaler.get_scale())
+        if not finite and not report.scale_after < report.scale_before:  # type: ignore[operator]
+            warnings.warn(
+                f"window {report.index}: the gradient was non-finite only after unscaling "
+                f"(scale {report.scale_before:g}); the update was skipped but the GradScaler "
+                "did not reduce its scale",
+                RuntimeWarning,
+                stacklevel=3,
             )
-        optimizer.zero_grad(set_to_none=True)
-    report.applied = finite
-    report.skipped_reason = None if finite else "non-finite gradient"
-    if scheduler is not None and (finite or scheduler_per == "attempt"):
-        scheduler.step()
-    return report
+    elif finite:
+        _step(optimizer.step, report.index)
+    elif nonfinite == "raise":
+        raise FloatingPointError(
+            f"non-finite gradient (norm {report.grad_norm}) in window {report.index}; "
+            "the update was not applied"
+        )
+    return finite
+
+
+def _step(step: Callable[[], Any], index: int) -> None:
+    """Run ``optimizer.step`` (or ``scaler.step``); out of memory there is not retryable."""
+    try:
+        step()
+    except torch.OutOfMemoryError as exc:
+        raise PartialUpdateError(
+            f"window {index}: the update itself ran out of memory, inside optimizer.step(), "
+            "so the update was partly applied (some parameters and their optimizer state "
+            "were updated, others not) and the weights and the optimizer state are now "
+            "inconsistent. Restore the last checkpoint rather than going on; a smaller "
+            "microbatch cannot help, a lighter optimizer or sharded or offloaded optimizer "
+            f"state can. The error was: {exc}"
+        ) from exc
 
 
 def _progress(total: int | None, enabled: bool) -> Any:
@@ -445,6 +531,7 @@ def train(
         },
     )
     distributed.check_replicas(model, plan)  # plan.data_parallel_size must be the model's D
+    update_parameters(model, optimizer)  # the optimizer must hold some trainable parameter
     # Check precision and scaler before reading any data. fp16 without a scaler gets one
     # GradScaler for the whole run, so the scale and its growth count carry across windows.
     policy = precision_policy(precision, model_device(model))
@@ -462,7 +549,8 @@ def train(
     with _progress(total, progress) as bar:
         # Under data parallelism every rank gets the same number of windows and of
         # microbatches per window, padded with zero-target microbatches where it has fewer.
-        for window in distributed.aligned_windows(plan, batches, objective):
+        group = distributed.data_parallel_group(model)
+        for window in distributed.aligned_windows(plan, batches, objective, group):
             real = window.microbatches[: len(window.microbatches) - window.padding]
             _note_microbatch_sizes([*real, *window.dropped], ledger.loader_batches, plan, ledger)
             ledger.loader_batches += window.loader_batches

@@ -686,6 +686,7 @@ class OOMGuard:
     def __init__(self, inner: Any, model: nn.Module, microbatches: int) -> None:
         self.inner = inner
         self.replicas = distributed.replicas_of(model)
+        model = distributed.unwrap(model)  # torch.compile(ddp_model) is a DDP model too
         self.ddp = isinstance(model, DistributedDataParallel)
         self.group = getattr(model, "process_group", None) if self.ddp else None
         broadcasts = getattr(model, "will_sync_module_buffers", None)

@@ -47,6 +47,16 @@ def _halve(batch: Mapping[str, Any], keep_empty: bool) -> list[dict[str, Any]]:
     return halves or [dict(batch)]
 
 
+class PartialUpdateError(torch.OutOfMemoryError):
+    """Out of memory inside ``optimizer.step()``: the update was partly applied.
+
+    Optimizers update parameter by parameter (or group by group), so some weights and
+    their optimizer state already hold the new values while others do not. Neither a
+    retry (it would step the first ones twice) nor going on is sound: restore the last
+    checkpoint. A ``torch.OutOfMemoryError``, so code that catches those catches it too.
+    """
+
+
 def train_window_shrinking(
     attempt: Callable[[list[Any], Any], UpdateReport],
     microbatches: Sequence[Mapping[str, Any]],
@@ -95,6 +105,8 @@ def train_window_shrinking(
                 ) from exc
             in_update = where is not None and where[0] == "update"
             _, fatal = guard.agree(True, in_update or biggest <= 1)
+            if isinstance(exc, PartialUpdateError):
+                raise CannotShrinkError(str(exc)) from exc
             if in_update:
                 raise CannotShrinkError(
                     f"window {ledger.update_attempts}: the update itself ran out of memory "

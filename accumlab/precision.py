@@ -14,11 +14,11 @@ only changes the dtype of the operations inside the forward.
 
 Within one accumulation window the scale is constant: it changes only in
 ``scaler.update()``, which the loop calls once, at the window boundary. Whether an update
-attempt was skipped is decided by :func:`gradients_finite` on the unscaled gradients (one
-check per gradient tensor), not by the return value of ``scaler.step`` (which is the
-optimizer's own return value, ``None`` for built-in optimizers whether or not they ran)
-and not by the finiteness of the gradient norm (the norm of finite gradients can overflow
-float32 to ``inf``).
+attempt was skipped is decided by :func:`total_grad_norm` of the unscaled gradients, which
+is finite exactly when every entry is (float32's norm of large finite gradients overflows
+to ``inf``, so it falls back to float64 there), not by the return value of
+``scaler.step`` (the optimizer's own return value, ``None`` for built-in optimizers
+whether or not they ran). :func:`gradients_finite` checks tensor by tensor instead.
 """
 
 from __future__ import annotations
@@ -196,6 +196,104 @@ def parameters_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Te
             seen.add(id(p))
             out.append(p)
     return out
+
+
+# Optimizers already warned about holding only some of the model's trainable parameters.
+_WARNED_PARTIAL: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def update_parameters(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[list[Tensor], list[Tensor]]:
+    """``(stepped, orphans)``: the parameters one update attempt works on, and the rest.
+
+    ``stepped`` is every parameter the optimizer holds, each once: their gradients are
+    checked for inf/nan, measured, clipped and stepped. ``orphans`` are the model's
+    trainable parameters the optimizer does not hold: their gradients would never be
+    cleared by ``optimizer.zero_grad`` and would grow window after window, so the loop
+    clears them every window and leaves them out of the norm and the checks. The first
+    time an optimizer holds only some of them, a ``UserWarning`` names the others.
+
+    Raises ``ValueError`` when the model has no trainable parameter (nothing to train)
+    and when the optimizer holds none of them (every update would change nothing).
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError(
+            f"the model ({type(model).__name__}) has no trainable parameters (none with "
+            "requires_grad=True), so there is nothing to train; unfreeze some with "
+            "p.requires_grad_(True)"
+        )
+    stepped: list[Tensor] = []
+    held: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in held:
+                held.add(id(p))
+                stepped.append(p)
+    orphans = [(n, p) for n, p in named if id(p) not in held]
+    if len(orphans) == len(named):
+        raise ValueError(
+            f"the optimizer holds none of the model's {len(named)} trainable parameters, so "
+            "no update would change the model; build it from this model, e.g. "
+            "torch.optim.AdamW(model.parameters()), after wrapping the model"
+        )
+    if orphans and optimizer not in _WARNED_PARTIAL:
+        _WARNED_PARTIAL.add(optimizer)
+        names = ", ".join(n for n, _ in orphans[:8]) + (" ..." if len(orphans) > 8 else "")
+        warnings.warn(
+            f"the optimizer does not hold {len(orphans)} of the model's trainable parameters "
+            f"({names}); their gradients are cleared every window and left out of the norm, "
+            "the clipping and the finite check. Freeze them (requires_grad_(False)) or add "
+            "them to the optimizer",
+            UserWarning,
+            stacklevel=3,
+        )
+    return stepped, [p for _, p in orphans]
+
+
+def _plain(t: Tensor) -> Tensor:
+    """A DTensor's full value (its total norm is already replicated), else ``t`` itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def total_grad_norm(parameters: Iterable[Tensor]) -> Tensor:
+    """The L2 norm of all existing gradients together, a 0-d tensor that is finite exactly
+    when every gradient entry is finite.
+
+    Computed once with ``torch.nn.utils.get_total_norm`` in the gradients' dtype (one
+    kernel per device and dtype). When that overflows (the squares of finite float32
+    entries above about 1.8e19 sum to ``inf``) or is nan, it is recomputed in float64,
+    one tensor at a time, which no float32 or bf16 gradient can overflow: the result is
+    then ``inf``/``nan`` only if an entry is. Sharded gradients (FSDP2 DTensors) give the
+    norm over all shards, the same on every rank; computing it is then a collective, so
+    every rank of the group must call it. Zero when no parameter has a gradient.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = _plain(torch.nn.utils.get_total_norm(grads))
+    if bool(torch.isfinite(norm)):
+        return norm
+    device = norm.device
+    parts = [
+        _plain(torch.linalg.vector_norm(g.detach(), dtype=torch.float64)).to(device) for g in grads
+    ]
+    return torch.linalg.vector_norm(torch.stack(parts))
+
+
+def mark_skipped(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """Make ``scaler.update()`` back off as after an inf, when the skip was decided elsewhere.
+
+    ``scaler.unscale_`` records inf/nan only in this rank's gradients. Under FSDP2 another
+    rank's shard can hold the nan: every rank skips the step, and each must also back off
+    its scale, or the ranks' scales part. Call after ``unscale_`` and before ``update``.
+    """
+    # GradScaler keeps its per-optimizer inf flags in a private dict; its update() reads
+    # them, and torch's own sharded scaler all-reduces the same entries.
+    state = scaler._per_optimizer_states.get(id(optimizer), {})
+    for found_inf in state.get("found_inf_per_device", {}).values():
+        found_inf.fill_(1.0)
 
 
 @contextlib.contextmanager

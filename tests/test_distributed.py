@@ -240,7 +240,7 @@ def _simulate(monkeypatch, per_rank_batches, plan, objective, lazy):
     for rank in range(world):
         calls = iter(range(10_000))
 
-        def fake_gather(values, rank=rank, calls=calls):
+        def fake_gather(values, rank=rank, calls=calls, group=None):
             k = next(calls)
             if not lazy:
                 return [[len(b)] for b in per_rank_batches]
@@ -293,7 +293,7 @@ def test_aligned_windows_stop_when_len_lies(monkeypatch):
 
     batches = Short(data.microbatches(data.load_examples(limit=3), 1))
     monkeypatch.setattr(ald, "is_distributed", lambda: True)
-    monkeypatch.setattr(ald, "gather_counts", lambda values: [[5], [5]])
+    monkeypatch.setattr(ald, "gather_counts", lambda values, group=None: [[5], [5]])
     plan = al.AccumulationPlan(1, 2, data_parallel_size=2)
     with pytest.raises(RuntimeError, match="len"):
         list(ald.aligned_windows(plan, batches, al.NextTokenLoss()))
@@ -301,7 +301,7 @@ def test_aligned_windows_stop_when_len_lies(monkeypatch):
 
 def test_aligned_windows_refuse_a_rank_without_data(monkeypatch):
     monkeypatch.setattr(ald, "is_distributed", lambda: True)
-    monkeypatch.setattr(ald, "gather_counts", lambda values: [[3], [0]])
+    monkeypatch.setattr(ald, "gather_counts", lambda values, group=None: [[3], [0]])
     batches = data.microbatches(data.load_examples(limit=3), 1)
     with pytest.raises(ValueError, match=r"rank\(s\) \[1\] have no microbatches"):
         list(ald.aligned_windows(al.AccumulationPlan(1, 2, 2), batches, al.NextTokenLoss()))

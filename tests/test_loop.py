@@ -344,7 +344,8 @@ def test_default_forward_drops_labels_and_example_ids() -> None:
         "labels": torch.tensor([0, 1, 2, 0]),
         "example_ids": torch.arange(4),
     }
-    report = al.train_window(Strict(), [batch], sgd(Strict()), al.ExampleLoss())
+    model = Strict()  # the optimizer must hold this model's parameters
+    report = al.train_window(model, [batch], sgd(model), al.ExampleLoss())
     assert report.applied and report.examples == 4
 
 
