@@ -544,9 +544,10 @@ class AuditReport:
         head = f"{len(self.windows)} windows, {n_mb} microbatches of a controlled set"
         if self.ok:
             worst = max((w.update_error or 0.0) for w in self.windows)
+            error = "below 1e-12" if worst < 1e-12 else f"{worst:.1e}"  # float64 rounding only
             return (
                 f"audit: ok ({head}). Every update matches the reference (largest relative "
-                f"error {worst:.1e}); one optimizer.step and one scheduler.step per window; no "
+                f"error {error}); one optimizer.step and one scheduler.step per window; no "
                 "tensor outlived its window."
             )
         count = len(self.mistakes)
@@ -654,7 +655,8 @@ def audit(train_one_window: Callable[..., Any], *, seed: int = 0) -> AuditReport
                 try:
                     train_one_window(model, optimizer, scheduler, given)
                 except Exception as exc:
-                    exc.add_note(f"(raised by train_one_window on audit window {k})")
+                    if hasattr(exc, "add_note"):  # Python 3.11+
+                        exc.add_note(f"(raised by train_one_window on audit window {k})")
                     raise
             del given
         final = _flat(watch.params)
