@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from .plan import AccumulationPlan
@@ -64,6 +64,14 @@ class Ledger:
     but add no examples or targets. ``largest_microbatch`` is the most examples in one
     microbatch read from the data (before any OOM shrink), never more than the plan's
     ``micro_batch_size`` in a run of ``train``.
+
+    ``settings`` is what the run used, as plain data, filled by ``train`` through
+    :meth:`note_settings` (empty for a ledger built by hand): ``precision``, ``scaler``
+    (``precision.scaler_settings``: its configuration, the initial and the final scale),
+    ``clip_grad_norm``, ``optimizer`` (the class name) and ``unit`` (the objective's).
+    ``RunRecord.from_run`` reads it; the learning rates and gradient norms it records come
+    from ``reports``. ``state_dict``/``load_state_dict`` save and restore the whole ledger
+    as plain data (a checkpoint reads it back with ``torch.load(weights_only=True)``).
     """
 
     microbatches: int = 0
@@ -81,6 +89,7 @@ class Ledger:
     largest_microbatch: int = 0
     reports: list[UpdateReport] = field(default_factory=list)
     shrinks: list[dict[str, int]] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
 
     def record(self, report: UpdateReport) -> None:
         """Add one window's report to the totals."""
@@ -100,6 +109,70 @@ class Ledger:
         self.dropped_examples += examples
         self.dropped_targets += targets
 
+    def note_settings(
+        self,
+        *,
+        precision: str,
+        scaler: torch.amp.GradScaler | None,
+        clip_grad_norm: float | None,
+        optimizer: torch.optim.Optimizer,
+        unit: str | None,
+    ) -> None:
+        """Record what the run uses in ``settings``; ``train`` calls it when it starts and
+        when it ends, so the scaler's final scale is the one recorded.
+
+        A resumed run keeps the ``init_scale`` of the run it continues: a GradScaler
+        restored from a checkpoint reports the saved scale as its initial one.
+        """
+        scaler_now = scaler_settings(scaler)
+        before = self.settings.get("scaler")
+        if scaler_now is not None and isinstance(before, dict) and "init_scale" in before:
+            scaler_now["init_scale"] = before["init_scale"]
+        self.settings = {
+            "precision": precision,
+            "scaler": scaler_now,
+            "clip_grad_norm": None if clip_grad_norm is None else float(clip_grad_norm),
+            "optimizer": type(optimizer).__qualname__,
+            "unit": unit,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole ledger as plain data (ints, floats, strings, None, lists, dicts), so
+        that ``torch.save`` stores it and ``torch.load(weights_only=True)`` reads it back.
+        Reports become dicts; a non-finite float (the loss of a window without targets)
+        stays as it is."""
+        state: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "reports":
+                value = [asdict(r) for r in value]
+            elif isinstance(value, (list, dict)):
+                value = _plain_copy(value, f"Ledger.{f.name}")
+            state[f.name] = value
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace every field with what :meth:`state_dict` returned.
+
+        Raises ``ValueError`` naming the missing and unknown fields of a state written by
+        another version of the ledger."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict from Ledger.state_dict(), got {type(state).__name__}")
+        names = {f.name for f in fields(self)}
+        missing, unknown = sorted(names - set(state)), sorted(set(state) - names)
+        if missing or unknown:
+            raise ValueError(
+                "state is not a Ledger.state_dict() of this version of accumlab: missing "
+                f"fields {missing}, unknown fields {unknown}"
+            )
+        for name in names:
+            value = state[name]
+            if name == "reports":
+                value = [UpdateReport(**r) for r in value]
+            elif isinstance(value, (list, dict)):
+                value = _plain_copy(value, f"state[{name!r}]")
+            setattr(self, name, value)
+
     @property
     def losses(self) -> list[float]:
         """Window mean losses of the applied updates, in order."""
@@ -116,6 +189,18 @@ class Ledger:
         )
 
 
+def _plain_copy(value: Any, where: str) -> Any:
+    """A deep copy of nested lists, tuples (as lists) and str-keyed dicts of ints, floats,
+    strings, bools and None; ``TypeError`` naming ``where`` for anything else."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain_copy(v, where) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _plain_copy(v, f"{where}[{k!r}]") for k, v in value.items()}
+    raise TypeError(f"{where} must hold plain data only, found {type(value).__name__}")
+
+
 NORMALIZATION = {
     "target": "sum of token losses / targets in the window (summed over replicas) × D",
     "example": "sum of example losses / examples in the window (summed over replicas) × D",
@@ -126,15 +211,42 @@ def _finite_or_none(value: float | None) -> float | None:
     return None if value is None or not math.isfinite(value) else value
 
 
+def _json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float in nested dicts, lists and tuples replaced by
+    None (strict JSON has no NaN or Infinity)."""
+    if isinstance(value, float):
+        return _finite_or_none(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _agree(name: str, given: str | None, used: str | None, default: str) -> str:
+    """The value a record shows: what the run used, else the caller's, else ``default``."""
+    if given is not None and used is not None and given != used:
+        raise ValueError(
+            f"{name}={given!r} contradicts the ledger, whose run used {name}={used!r}; leave "
+            f"{name} out to record the run's"
+        )
+    return given if given is not None else used if used is not None else default
+
+
 @dataclass
 class RunRecord:
     """What a reader needs to reproduce or audit a run: sizes, counts, policies.
 
     Build it with ``RunRecord.from_run(plan, ledger, ...)``; ``to_json()`` and
-    ``to_markdown()`` render it. ``extra`` holds fields later chapters add (memory peaks,
-    per-rank totals) without changing the core. ``scaler`` holds the GradScaler's
-    settings and final scale (``None`` without one); ``skipped_nonfinite`` and
-    ``skipped_no_targets`` split ``updates_skipped`` by reason.
+    ``to_markdown()`` render it and ``RunRecord.from_json(text)`` reads it back. ``extra``
+    holds fields later chapters add (memory peaks, per-rank totals) without changing the
+    core. ``scaler`` holds the GradScaler's settings and final scale (``None`` without
+    one); ``skipped_nonfinite`` and ``skipped_no_targets`` split ``updates_skipped`` by
+    reason. From what ``train`` noted in the ledger: ``clip_grad_norm`` (``None``: no
+    clipping), ``optimizer`` (its class name), ``lr_first``/``lr_last`` (the learning rate
+    of the first and last applied update), ``grad_norm_first``/``grad_norm_last``/
+    ``grad_norm_largest`` (the L2 norm of the combined, unscaled gradient before clipping
+    of the first, last and largest applied update) and ``largest_microbatch`` (examples).
     """
 
     micro_batch_size: int
@@ -163,6 +275,14 @@ class RunRecord:
     scaler: dict[str, Any] | None = None
     skipped_nonfinite: int = 0
     skipped_no_targets: int = 0
+    clip_grad_norm: float | None = None
+    optimizer: str | None = None
+    lr_first: float | None = None
+    lr_last: float | None = None
+    grad_norm_first: float | None = None
+    grad_norm_last: float | None = None
+    grad_norm_largest: float | None = None
+    largest_microbatch: int = 0
 
     @classmethod
     def from_run(
@@ -170,19 +290,24 @@ class RunRecord:
         plan: AccumulationPlan,
         ledger: Ledger,
         *,
-        unit: str = "target",
-        precision: str = "fp32",
+        unit: str | None = None,
+        precision: str | None = None,
         extra: dict[str, Any] | None = None,
         scaler: torch.amp.GradScaler | None = None,
         reduce_over_ranks: bool = False,
         meter: Any = None,
     ) -> RunRecord:
-        """Collect the plan's sizes and the ledger's counts; ``unit`` is the objective's
-        ``unit`` (``"target"`` or ``"example"``).
+        """Collect the plan's sizes, the ledger's counts and what the run used.
 
-        ``precision`` is the run's ``"fp32"``, ``"bf16"`` or ``"fp16"``; ``scaler`` the
-        ``torch.amp.GradScaler`` the run used (its settings and final scale are recorded)
-        or None. Skipped attempts are split by their report's ``skipped_reason``.
+        A ledger from ``train`` knows what the run used (``ledger.settings``): its
+        precision, scaler, clipping, optimizer and the objective's unit, so
+        ``from_run(plan, ledger)`` records them all. The keywords are for a ledger built
+        by hand: ``unit`` is the objective's ``unit`` (``"target"``, the default, or
+        ``"example"``); ``precision`` the run's ``"fp32"`` (default), ``"bf16"`` or
+        ``"fp16"``; ``scaler`` the ``torch.amp.GradScaler`` the run used (its settings and
+        current scale are recorded; it takes precedence over the ledger's). A ``unit`` or
+        ``precision`` that contradicts the ledger's is a ``ValueError``. Skipped attempts
+        are split by their report's ``skipped_reason``.
 
         ``reduce_over_ranks=True`` (collective: every rank calls it) records the whole
         run: examples, targets, microbatches and the window losses summed over the ranks
@@ -195,13 +320,18 @@ class RunRecord:
         baseline, the steady baseline, the peak, and per phase the bytes at entry and the
         peak; the OOM shrinks of the ledger, if any, go into ``extra["oom_shrinks"]``.
         """
-        if precision not in PRECISIONS:
+        if precision is not None and precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
         settings = scaler_settings(scaler)  # TypeError for anything but a GradScaler
         if not isinstance(plan, AccumulationPlan):
             raise TypeError(f"plan must be an AccumulationPlan, got {type(plan).__name__}")
         if not isinstance(ledger, Ledger):
             raise TypeError(f"ledger must be a Ledger, got {type(ledger).__name__}")
+        used = ledger.settings
+        unit = _agree("unit", unit, used.get("unit"), "target")
+        precision = _agree("precision", precision, used.get("precision"), "fp32")
+        if settings is None and used.get("scaler") is not None:
+            settings = dict(used["scaler"])
         if unit not in NORMALIZATION:
             raise ValueError(f"unit must be one of {sorted(NORMALIZATION)}, got {unit!r}")
         shrinks = [dict(s) for s in ledger.shrinks]  # this rank's, before any reduction
@@ -217,6 +347,7 @@ class RunRecord:
         if shrinks:
             extra = {"oom_shrinks": shrinks, **(extra or {})}
         losses = ledger.losses
+        applied = [r for r in ledger.reports if r.applied]
         return cls(
             micro_batch_size=plan.micro_batch_size,
             accumulation_steps=plan.accumulation_steps,
@@ -244,14 +375,45 @@ class RunRecord:
                 r.skipped_reason == "non-finite gradient" for r in ledger.reports
             ),
             skipped_no_targets=sum(r.skipped_reason == "no targets" for r in ledger.reports),
+            clip_grad_norm=used.get("clip_grad_norm"),
+            optimizer=used.get("optimizer"),
+            lr_first=applied[0].lr if applied else None,
+            lr_last=applied[-1].lr if applied else None,
+            grad_norm_first=_finite_or_none(applied[0].grad_norm) if applied else None,
+            grad_norm_last=_finite_or_none(applied[-1].grad_norm) if applied else None,
+            grad_norm_largest=max(r.grad_norm for r in applied) if applied else None,
+            largest_microbatch=ledger.largest_microbatch,
         )
+
+    @classmethod
+    def from_json(cls, text: str) -> RunRecord:
+        """Read a record written by :meth:`to_json` (a ``null`` stays ``None``).
+
+        Raises ``ValueError`` for text that is not a JSON object or whose fields are not
+        this class's (naming the missing and unknown ones)."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not a run record: the text is not JSON ({exc})") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"not a run record: expected a JSON object, got {type(data).__name__}")
+        names = {f.name: f for f in fields(cls)}
+        required = {n for n, f in names.items() if f.default is MISSING and f.default_factory is MISSING}
+        missing, unknown = sorted(required - set(data)), sorted(set(data) - set(names))
+        if missing or unknown:
+            raise ValueError(
+                f"not a run record of this version: missing fields {missing}, unknown fields {unknown}"
+            )
+        return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def to_json(self, indent: int = 2) -> str:
-        """The record as JSON (strict: no NaN)."""
-        return json.dumps(self.to_dict(), indent=indent, allow_nan=False, default=str)
+        """The record as strict JSON: every non-finite float, at any depth (``extra``
+        included), becomes ``null``; a value JSON has no type for is written as its
+        ``str``."""
+        return json.dumps(_json_safe(self.to_dict()), indent=indent, allow_nan=False, default=str)
 
     def to_markdown(self) -> str:
         """The record as a two-column Markdown table."""
