@@ -37,7 +37,7 @@ export PYTHONHASHSEED := 0
 TEST_ENV := TQDM_DISABLE=1 OMP_NUM_THREADS=1
 NOTEBOOKS ?= $(sort $(wildcard notebooks/[0-9]*.ipynb))
 
-.PHONY: lab check test unit nbval lint notebooks bench clean
+.PHONY: lab check test unit nbval lint notebooks bench bench-peers clean
 
 $(BIN)/python:
 	@echo "creating the virtual environment $(VENV) with $(PYTHON) ..."
@@ -94,6 +94,12 @@ notebooks: $(VENV)/.installed-dev
 bench: $(VENV)/.installed-dev
 	for b in loop_overhead precision_cost memory_peak ddp_no_sync loss_memory; do \
 	  $(TEST_ENV) $(BIN)/python benchmarks/$$b.py || exit 1; done
+
+# accumlab beside Hugging Face Accelerate: installs the optional `peers` extra first.
+bench-peers: $(VENV)/.installed-dev
+	@echo "installing Hugging Face Accelerate (the peers extra) ..."
+	$(PIP) -e ".[peers]"
+	$(TEST_ENV) $(BIN)/python benchmarks/peers.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
