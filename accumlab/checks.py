@@ -633,6 +633,10 @@ def audit(train_one_window: Callable[..., Any], *, seed: int = 0) -> AuditReport
     - tensors created during a window that are still alive (after ``gc.collect()``) once
       the last window is done (kept references).
 
+    The comparison is exact up to float64 rounding, so run the loop in full precision (no
+    autocast) and without clipping below the gradient norm: either shows up in
+    ``report.other`` as an update the microbatch gradients do not explain.
+
     Returns an :class:`AuditReport`; ``report.ok`` is True for a correct loop. The global
     random state is left as it was. Exceptions from ``train_one_window`` propagate.
     """

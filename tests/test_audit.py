@@ -391,6 +391,42 @@ def test_gradients_never_cleared_is_reported_outside_the_vocabulary():
     assert len(report.other) == 1 and "earlier windows were still in .grad" in report.other[0]
 
 
+SCALARS: list = []
+
+
+def test_logging_detached_scalars_is_not_a_kept_reference():
+    def logs_detached(model, optimizer, scheduler, window):
+        optimizer.zero_grad()
+        total = targets(window)
+        for mb in window:
+            part = loss_sum(model, mb)
+            (part / total).backward()
+            SCALARS.append(part.detach())  # a 0-d tensor without a graph
+        optimizer.step()
+        scheduler.step()
+
+    report = al.audit(logs_detached)
+    SCALARS.clear()
+    assert report.ok, str(report)
+
+
+def test_undivided_loss_sums_are_reported_outside_the_vocabulary():
+    def undivided(model, optimizer, scheduler, window):
+        optimizer.zero_grad()
+        for mb in window:
+            loss_sum(model, mb).backward()
+        optimizer.step()
+        scheduler.step()
+
+    report = al.audit(undivided)
+    assert report.mistakes == [] and not report.ok
+    assert report.other == [
+        "the loss sums are not divided at all: every update is as many times too large as the "
+        "window has targets"
+    ]
+    assert report.windows[0].weights == pytest.approx([38] * 4)  # the window's 38 targets
+
+
 def test_a_scheduler_never_stepped_is_reported():
     def without_scheduler(model, optimizer, scheduler, window):
         optimizer.zero_grad()
