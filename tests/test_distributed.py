@@ -1,16 +1,18 @@
 """Data parallelism: the global denominator, one sync per window, uneven ranks, FSDP2.
 
 Tests marked ``distributed`` spawn two gloo processes through ``accumlab.distributed.launch``
-(the workers live in ``accumlab.course.workers``); each has a deadline well under a minute,
-so a hang fails the test instead of stalling CI. The others check the same logic in one
-process: ``aligned_windows`` with the peers' answers simulated, the padding microbatch,
-the example-ID checks, the data-parallel size.
+(the workers live in ``accumlab.course.workers``; those only tests use in
+``tests/course_workers.py``); each has a deadline well under a minute, so a hang fails
+the test instead of stalling CI. The others check the same logic in one process:
+``aligned_windows`` with the peers' answers simulated, the padding microbatch, the
+example-ID checks, the data-parallel size.
 """
 
 from __future__ import annotations
 
 import math
 
+import course_workers  # tests/course_workers.py: workers only the tests launch
 import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
@@ -95,7 +97,7 @@ def test_fsdp2_gradient_equals_single_process_full_batch():
 def test_one_sync_per_window_with_no_sync_and_a_without():
     a, windows = 4, 2
     rank0, _ = launch(workers.count_syncs, a, windows)
-    assert rank0["forward and backward"]["syncs"] == windows  # accumlab.train
+    assert rank0["forward and backward"]["syncs"] == windows  # what accumlab.train does
     assert rank0["none"]["syncs"] == a * windows
     # DDP decides at forward time: a forward outside no_sync syncs anyway
     assert rank0["backward only"]["syncs"] == a * windows
@@ -120,7 +122,7 @@ def test_rank_with_fewer_windows_finishes_and_ranks_stay_identical():
 
 @pytest.mark.distributed
 def test_gathered_ids_catch_distributed_sampler_duplicates():
-    rank0, rank1 = launch(workers.sampler_ids, 9)
+    rank0, rank1 = launch(course_workers.sampler_ids, 9)
     padded = rank0["DistributedSampler"]
     assert not padded.ok
     assert padded.duplicates == {0: [0, 1]}  # example 0 repeated to even out the ranks
@@ -132,7 +134,7 @@ def test_gathered_ids_catch_distributed_sampler_duplicates():
 @pytest.mark.distributed
 def test_unwrapped_model_in_a_multi_rank_group_is_an_error():
     with pytest.raises(ValueError, match="not wrapped in DistributedDataParallel") as info:
-        launch(workers.misuse, "plain model")
+        launch(course_workers.misuse, "plain model")
     assert info.value.rank in (0, 1)
     assert str(info.value).startswith(f"rank {info.value.rank}: ")
     assert isinstance(info.value.__cause__, ald.WorkerTraceback)
@@ -142,7 +144,7 @@ def test_unwrapped_model_in_a_multi_rank_group_is_an_error():
 @pytest.mark.distributed
 def test_plan_data_parallel_size_must_match_world_size():
     with pytest.raises(ValueError, match=r"plan.data_parallel_size=1 .* 2 data-parallel"):
-        launch(workers.misuse, "plan mismatch")
+        launch(course_workers.misuse, "plan mismatch")
 
 
 # ---------------------------------------------------------------- one process
@@ -373,6 +375,6 @@ def test_launch_stops_every_worker_at_the_first_failure():
     # rank 0 waits in a barrier for rank 1, which fails; launch must not wait for the
     # 60 s process-group timeout (the deadline is shorter) and must show rank 1's output
     with pytest.raises(ValueError, match="rank 1: deliberate failure") as info:
-        ald.launch(workers.fail_on_rank, 2, (1,), timeout_s=60, deadline_s=45)
+        ald.launch(course_workers.fail_on_rank, 2, (1,), timeout_s=60, deadline_s=45)
     assert info.value.rank == 1
     assert "rank 1 is about to fail" in info.value.__cause__.text  # its stderr, captured

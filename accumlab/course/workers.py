@@ -2,10 +2,15 @@
 (or ``torchrun``, through ``examples/ddp_train.py``) runs on every rank.
 
 They live in an importable module because spawned processes start a fresh interpreter:
-a function defined in a notebook cell cannot be sent to them. Each one assumes the
-process group is already initialised, never prints, and returns plain data (counts,
-floats, dicts, tensors) for the caller to check. Tests, notebook 04 and the no_sync
-benchmark all use them.
+a function defined in a notebook cell cannot be sent to them, so notebook 04 prints the
+source of each one right before launching it. Each worker assumes the process group is
+already initialised, never prints, and returns plain data (counts, floats, dicts,
+tensors) for the caller to check. Notebook 04, its exercise checker, the no_sync
+benchmark and the runnable example use them; workers only tests need live in ``tests/``.
+
+:func:`ddp_window` is the lesson itself: one accumulation window under DDP written out by
+hand, with the count all-reduce, the ``× D`` and ``no_sync``. :func:`window_variant` is the
+same window with one decision changed, to show what each mistake does.
 
 The data is the course's instruction set, split between ranks on purpose unevenly (one
 rank gets short answers, the other long ones, and a different number of microbatches),
@@ -39,8 +44,9 @@ from ..distributed import (
     replicas_of,
     shard,
 )
+from ..driver import train
 from ..ledger import RunRecord
-from ..loop import default_forward, train
+from ..loop import default_forward
 from ..objectives import NextTokenLoss
 from ..plan import AccumulationPlan
 from . import data
@@ -170,7 +176,107 @@ def uneven_examples(
     return out
 
 
-# ----------------------------------------------------------------------------- workers
+# ----------------------------------------------------------------------------- the window, by hand
+
+
+def ddp_window(
+    model: DistributedDataParallel,
+    window: Sequence[Mapping[str, Tensor]],
+    objective: NextTokenLoss,
+) -> int:
+    """One accumulation window under DDP, written out: every microbatch backpropagates
+    ``loss_sum × D / global_count``, and only the last one synchronizes.
+
+    ``window`` holds this rank's microbatches (CPU tensors). Adds the window's gradient to
+    ``.grad`` (the same on every rank afterwards) and returns the window's target count
+    summed over all ranks. It is what ``al.train`` does for each window.
+    """
+    device, world = local_device(), dist.get_world_size()  # D: one replica per rank
+    # The window's targets over ALL ranks: counted on the CPU before any forward pass,
+    # then summed over ranks by one all-reduce of a single number.
+    count = torch.tensor(sum(objective.count(mb) for mb in window), device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.SUM)
+    for i, mb in enumerate(window):
+        mb = {k: v.to(device) for k, v in mb.items()}
+        last = i == len(window) - 1
+        # DDP decides at forward time whether the next backward all-reduces, so no_sync
+        # covers the forward AND the backward of every microbatch but the last.
+        with contextlib.nullcontext() if last else model.no_sync():
+            logits = model(input_ids=mb["input_ids"]).logits
+            loss_sum = objective.loss_sum(logits, mb)
+            # DDP's all-reduce averages the D gradients; × D cancels that division.
+            (loss_sum * world / count).backward()
+    return int(count)
+
+
+def one_ddp_window(micro_batch_size: int = 2, accumulation_steps: int = 2) -> dict[str, Any]:
+    """Run :func:`ddp_window` on this rank's first window of :func:`uneven_examples` and
+    return the counts, the gradient synchronizations and the gradient it left."""
+    rank, world = rank_and_world()
+    examples = uneven_examples(world)[rank][: micro_batch_size * accumulation_steps]
+    window = data.microbatches(examples, micro_batch_size)
+    model = DistributedDataParallel(small_model())
+    counter = SyncCounter().attach(model)  # a DDP communication hook that counts syncs
+    objective = NextTokenLoss()
+    global_targets = ddp_window(model, window, objective)
+    return {
+        "rank": rank,
+        "local_targets": sum(objective.count(mb) for mb in window),
+        "global_targets": global_targets,
+        "syncs": counter.syncs,
+        "gradient": {_name(n): _full(p.grad, p) for n, p in model.named_parameters()},
+    }
+
+
+def first_windows(
+    world_size: int = 2, micro_batch_size: int = 2, accumulation_steps: int = 2
+) -> list[list[data.Example]]:
+    """The examples of each rank's first window in :func:`one_ddp_window`, per rank."""
+    per_window = micro_batch_size * accumulation_steps
+    return [exs[:per_window] for exs in uneven_examples(world_size)]
+
+
+def run_window_answers(
+    answers: Sequence[tuple[str, str]],
+    micro_batch_size: int = 2,
+    accumulation_steps: int = 2,
+    windows: int = 2,
+) -> list[dict[str, Any]]:
+    """Exercise ``ex04.ddp_window``: for each ``(source, name)`` define the learner's
+    function from its source and call it as ``fn(model, window, optimizer, objective)``
+    for ``windows`` windows of this rank's :func:`uneven_examples`, on a fresh DDP model
+    with a :class:`SyncCounter` and an optimizer that records the gradient handed to each
+    ``step()`` and changes no weight. Returns per answer the syncs and steps counted per
+    window, whether a nonzero ``.grad`` was left, the recorded gradients, and ``error``
+    (the exception it raised, as text, or None)."""
+    import accumlab as al  # a learner's answer may use the package
+
+    rank, world = rank_and_world()
+    a = accumulation_steps
+    examples = uneven_examples(world)[rank][: micro_batch_size * a * windows]
+    batches = data.microbatches(examples, micro_batch_size)
+    results = []
+    for source, name in answers:
+        namespace = {"torch": torch, "dist": dist, "contextlib": contextlib, "F": F, "nn": nn}
+        namespace["al"] = al
+        model = wrap(small_model(), "ddp")
+        counter = SyncCounter().attach(model)
+        optimizer = GradientSnapshots(model)
+        out: dict[str, Any] = {"syncs": [], "steps": [], "grads_left": [], "error": None}
+        try:
+            exec(compile(source, "<your answer>", "exec"), namespace)  # the learner's code
+            for w in range(windows):
+                syncs, steps = counter.syncs, len(optimizer.seen)
+                namespace[name](model, batches[w * a : (w + 1) * a], optimizer, NextTokenLoss())
+                out["syncs"].append(counter.syncs - syncs)
+                out["steps"].append(len(optimizer.seen) - steps)
+                left = any(p.grad is not None and bool(p.grad.any()) for p in model.parameters())
+                out["grads_left"].append(left)
+        except Exception as exc:  # report the learner's error instead of failing the launch
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        out["seen"] = optimizer.seen
+        results.append(out)
+    return results
 
 
 def gradient_agreement(
@@ -262,68 +368,82 @@ def _gradients_local_until_last(
     return still_local
 
 
-#: The three normalizations ``scaled_without_d`` compares: (name, × factor, denominator).
+#: How :func:`window_variant` normalizes each microbatch's ``loss_sum``.
 NORMALIZATIONS = ("× D / global count", "/ global count", "/ local count")
+#: What :func:`window_variant` puts inside ``no_sync`` for every microbatch but the last.
+SYNC_MODES = ("forward and backward", "none", "forward only", "backward only")
+
+
+def window_variant(
+    model: DistributedDataParallel,
+    window: Sequence[Mapping[str, Tensor]],
+    objective: NextTokenLoss,
+    normalization: str = "× D / global count",
+    no_sync_around: str = "forward and backward",
+) -> None:
+    """:func:`ddp_window` with one decision changed: how each microbatch's ``loss_sum`` is
+    normalized (one of :data:`NORMALIZATIONS`) and what ``no_sync`` covers for every
+    microbatch but the last (one of :data:`SYNC_MODES`). The defaults are the right ones."""
+    device, world = local_device(), dist.get_world_size()
+    local = sum(objective.count(mb) for mb in window)
+    total = torch.tensor(local)
+    dist.all_reduce(total)
+    factor, denominator = {
+        "× D / global count": (world, int(total)),
+        "/ global count": (1, int(total)),  # forgets that DDP averages
+        "/ local count": (1, local),  # each rank's own mean, then DDP averages them
+    }[normalization]
+    for i, mb in enumerate(window):
+        skip = i < len(window) - 1  # every microbatch but the last may skip the sync
+        mb = {k: v.to(device) for k, v in mb.items()}
+        with model.no_sync() if skip and "forward" in no_sync_around else contextlib.nullcontext():
+            logits = model(input_ids=mb["input_ids"]).logits
+            loss = objective.loss_sum(logits, mb) * factor / denominator
+        with model.no_sync() if skip and "backward" in no_sync_around else contextlib.nullcontext():
+            loss.backward()
 
 
 def scaled_without_d(micro_batch_size: int = 2, accumulation_steps: int = 2) -> dict[str, Any]:
-    """One window on uneven ranks, each microbatch backpropagating its ``loss_sum``
-
-    - ``"× D / global count"``: × D / the window's targets over all ranks (the loop's rule);
-    - ``"/ global count"``: forgetting that DDP averages (the gradient is D times too small);
-    - ``"/ local count"``: each rank's own mean, which DDP then averages (the average of
-      averages: a target on the rank with fewer targets weighs more).
+    """One window on uneven ranks, once per normalization in :data:`NORMALIZATIONS`.
 
     Returns this rank's view of the group, its local and the global target count, and per
-    normalization the relative error against the single-process full batch over both
-    ranks' examples and the gradient norm.
+    normalization the relative error of the synchronized gradient against the
+    single-process full batch over both ranks' examples, and the gradient's norm.
     """
     rank, world = rank_and_world()
     per_rank = uneven_examples(world)
     per_window = micro_batch_size * accumulation_steps
     window = data.microbatches(per_rank[rank][:per_window], micro_batch_size)
-    union = [ex for exs in per_rank for ex in exs[:per_window]]
     plain = small_model()
-    reference = token_mean_gradient(copy.deepcopy(plain), union)
+    reference = token_mean_gradient(
+        copy.deepcopy(plain), [e for exs in per_rank for e in exs[:per_window]]
+    )
     model = wrap(plain, "ddp")
     objective = NextTokenLoss()
     local = sum(objective.count(mb) for mb in window)
-    total = torch.tensor([local], device=local_device())
+    out: dict[str, Any] = {**whoami(), "local_targets": local, "reference_norm": _norm(reference)}
+    total = torch.tensor(local)
     dist.all_reduce(total)
-    out: dict[str, Any] = {**whoami(), "local_targets": local, "global_targets": int(total)}
-    variants = dict(
-        zip(NORMALIZATIONS, ((world, int(total)), (1, int(total)), (1, local)), strict=True)
-    )
-    for label, (factor, denominator) in variants.items():
+    out["global_targets"] = int(total)
+    for name in NORMALIZATIONS:
         model.zero_grad(set_to_none=True)
-        for i, mb in enumerate(window):
-            mb = {k: v.to(local_device()) for k, v in mb.items()}
-            with gradient_sync(model, enabled=i == len(window) - 1):
-                loss = objective.loss_sum(default_forward(model, mb), mb) * factor / denominator
-                loss.backward()
+        window_variant(model, window, objective, normalization=name)
         grads = {_name(n): _full(p.grad, p) for n, p in model.named_parameters()}
-        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
-        out[label] = {"rel_error": compare(reference, grads).max_rel_error, "norm": norm}
-    reference_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in reference.values()))
-    out["reference_norm"] = reference_norm
+        out[name] = {"rel_error": compare(reference, grads).max_rel_error, "norm": _norm(grads)}
     return out
 
 
-#: Where ``no_sync`` goes around a microbatch that must not synchronize (all but the last).
-SYNC_MODES = ("forward and backward", "none", "forward only", "backward only")
+def _norm(grads: Mapping[str, Tensor]) -> float:
+    return math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
 
 
 def count_syncs(accumulation_steps: int = 4, windows: int = 2) -> dict[str, dict[str, Any]]:
-    """DDP gradient synchronizations per window for each placement of ``no_sync``.
-
-    ``"forward and backward"`` (what ``accumlab.train`` does, and it is the run used for
-    that mode), ``"none"`` (no ``no_sync`` at all), ``"forward only"`` (forward inside,
-    backward outside) and ``"backward only"`` (forward outside, backward inside). Each mode
-    runs ``windows`` windows of ``accumulation_steps`` microbatches on a fresh DDP model
-    with a :class:`SyncCounter`, at the same weights. Returns per mode the counted
-    ``syncs`` and bucket all-reduce ``calls``, and the relative error of its last window's
-    gradient against the ``"forward and backward"`` one.
-    """
+    """DDP gradient synchronizations per window for each placement of ``no_sync`` in
+    :data:`SYNC_MODES`, counted by a :class:`SyncCounter` on a fresh DDP model per mode
+    (same weights, same data, ``windows`` windows of ``accumulation_steps`` microbatches).
+    Returns per mode the counted ``syncs`` and bucket all-reduce ``calls``, the number of
+    ``windows``, and the relative error of its last window's gradient against the
+    ``"forward and backward"`` one."""
     rank, world = rank_and_world()
     examples = shard(
         data.load_examples(limit=2 * accumulation_steps * windows * world), rank, world
@@ -334,51 +454,21 @@ def count_syncs(accumulation_steps: int = 4, windows: int = 2) -> dict[str, dict
     for mode in SYNC_MODES:
         model = wrap(small_model(), "ddp")
         counter = SyncCounter().attach(model)
-        snapshots = GradientSnapshots(model)
-        if mode == "forward and backward":
-            plan = AccumulationPlan(2, accumulation_steps, data_parallel_size=world)
-            train(model, batches, snapshots, plan, objective, progress=False)
-        else:
-            for w in range(windows):
-                window = batches[w * accumulation_steps : (w + 1) * accumulation_steps]
-                _manual_window(model, window, objective, mode)
-                snapshots.step()
-                model.zero_grad(set_to_none=True)
+        for w in range(windows):
+            model.zero_grad(set_to_none=True)
+            window = batches[w * accumulation_steps : (w + 1) * accumulation_steps]
+            window_variant(model, window, objective, no_sync_around=mode)
+        grads = {_name(n): _full(p.grad, p) for n, p in model.named_parameters()}
         out[mode] = {
             "syncs": counter.syncs,
             "calls": counter.calls,
-            "windows": len(snapshots.seen),
-            "last_gradient": snapshots.seen[-1],
+            "windows": windows,
+            "grads": grads,
         }
-    reference = out["forward and backward"]["last_gradient"]
+    reference = out["forward and backward"]["grads"]
     for mode in SYNC_MODES:
-        out[mode]["rel_error"] = compare(reference, out[mode].pop("last_gradient")).max_rel_error
+        out[mode]["rel_error"] = compare(reference, out[mode].pop("grads")).max_rel_error
     return out
-
-
-def _manual_window(
-    model: nn.Module, window: Sequence[Mapping[str, Tensor]], objective: NextTokenLoss, mode: str
-) -> None:
-    """One window's backward passes with ``no_sync`` placed as ``mode`` says, normalised by
-    the global target count × D, as the loop does."""
-    device = local_device()
-    world = dist.get_world_size()
-    total = torch.tensor([sum(objective.count(mb) for mb in window)], device=device)
-    dist.all_reduce(total)
-    last = len(window) - 1
-    for i, mb in enumerate(window):
-        mb = {k: v.to(device) for k, v in mb.items()}
-
-        def skip(part: str, i: int = i) -> Any:
-            if i == last or mode == "none" or part not in mode:
-                return contextlib.nullcontext()
-            return model.no_sync()
-
-        with skip("forward"):
-            output = default_forward(model, mb)
-            loss = objective.loss_sum(output, mb) * world / int(total)
-        with skip("backward"):
-            loss.backward()
 
 
 def uneven_ranks(
@@ -440,41 +530,6 @@ def unaligned_windows(windows_per_rank: Sequence[int] = (1, 3), accumulation_ste
     return attempts
 
 
-def misuse(case: str) -> None:
-    """Bad input under a 2-rank group, to see the errors: ``"plain model"`` calls
-    ``train_window`` with an unwrapped model; ``"plan mismatch"`` calls ``train`` with a DDP
-    model and a plan whose ``data_parallel_size`` is 1."""
-    from ..loop import train_window
-
-    batches = data.microbatches(data.load_examples(limit=4), 2)
-    objective = NextTokenLoss()
-    if case == "plain model":
-        model = small_model()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        train_window(model, batches, optimizer, objective)
-    elif case == "plan mismatch":
-        model = wrap(small_model(), "ddp")
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        train(model, batches, optimizer, AccumulationPlan(2, 2), objective, progress=False)
-    else:
-        raise ValueError(f"case must be 'plain model' or 'plan mismatch', got {case!r}")
-
-
-def sampler_ids(n_examples: int = 9) -> dict[str, Any]:
-    """Which example IDs each rank gets from ``DistributedSampler`` (it repeats examples
-    so every rank has as many) and from ``accumlab.distributed.shard`` (no repeats),
-    gathered over ranks and checked against ``range(n_examples)``."""
-    from torch.utils.data.distributed import DistributedSampler
-
-    ids = list(range(n_examples))
-    from_sampler = list(DistributedSampler(ids, shuffle=False))  # rank and world from the group
-    from_shard = shard(ids)
-    return {
-        "DistributedSampler": check_example_ids(gather_example_ids(from_sampler), expected=ids),
-        "shard": check_example_ids(gather_example_ids(from_shard), expected=ids),
-    }
-
-
 def no_sync_timing(
     accumulation_steps: int = 8, windows: int = 6, n_embd: int = 128, n_layer: int = 2
 ) -> dict[str, Any]:
@@ -499,7 +554,7 @@ def no_sync_timing(
         for label, mode in modes.items():
             dist.barrier()
             start = time.perf_counter()
-            _manual_window(models[label], window, objective, mode)
+            window_variant(models[label], window, objective, no_sync_around=mode)
             elapsed = time.perf_counter() - start
             models[label].zero_grad(set_to_none=True)
             if w:
@@ -546,18 +601,3 @@ def train_tiny_gpt(
     record = RunRecord.from_run(plan, ledger, unit=objective.unit, reduce_over_ranks=True)
     ids = check_example_ids(gather_example_ids(example_ids_in(batches)), [e.id for e in pool])
     return {"rank": rank, "record": record.to_dict(), "ledger": ledger.summary(), "ids": ids}
-
-
-def fail_on_rank(failing_rank: int = 1) -> str:
-    """Rank ``failing_rank`` warns (to its stderr) and raises ``ValueError`` at once; every
-    other rank waits in a barrier its failed peer never reaches. Shows that ``launch``
-    stops all workers at the first failure instead of waiting for the process-group
-    timeout, and reports the failed rank's output with its traceback."""
-    import warnings
-
-    rank, _ = rank_and_world()
-    if rank == failing_rank:
-        warnings.warn(f"rank {rank} is about to fail", UserWarning, stacklevel=1)
-        raise ValueError(f"deliberate failure on rank {rank}")
-    dist.barrier()
-    return "unreachable: the barrier needs the failed rank"

@@ -1,5 +1,14 @@
 """Exercises for notebook 03 (mixed precision and the GradScaler).
 
+- ``amp_microbatch``: write the microbatch side of an fp16 window,
+  ``amp_microbatch(model, microbatch, objective, window_count, scaler) -> None``: run the
+  forward and the loss under ``torch.autocast(device_type="cpu", dtype=torch.float16)``,
+  divide the microbatch's ``loss_sum`` by the window's count, and backpropagate the loss
+  multiplied by the scaler's scale. The checker calls it for each microbatch of a window
+  of unequal microbatches, unscales once and compares the gradient with the reference;
+  it names the usual mistakes: no autocast (or bf16), backward on the unscaled loss,
+  the microbatch's own mean (the average of averages), no division, the boundary's calls
+  (``unscale_``, ``step``, ``update``) made per microbatch, earlier gradients cleared.
 - ``window_boundary``: write the end of an fp16 accumulation window,
   ``window_boundary(model, optimizer, scaler, max_norm) -> None``. When it is called,
   every microbatch of the window has already backpropagated ``scaler.scale(loss)``, so
@@ -24,11 +33,13 @@ import copy
 import inspect
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ...checks import compare
 from ...loop import accumulate
 from ...objectives import ExampleLoss
 from ...precision import inject_nonfinite
@@ -68,6 +79,10 @@ class _RecordingScaler(torch.amp.GradScaler):
     def __init__(self, log: _Log) -> None:
         super().__init__("cpu", init_scale=2.0**10)
         self.log = log
+
+    def scale(self, outputs: Any) -> Any:
+        self.log.calls.append("scale")
+        return super().scale(outputs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         self.log.calls.append("unscale_")
@@ -132,6 +147,8 @@ def _run(
     log.calls.clear()  # only the boundary counts
     try:
         answer(model, optimizer, scaler, max_norm)
+    except NotImplementedError:
+        raise  # a stub: check() reports "not attempted yet"
     except Exception as exc:  # report what the learner's order made PyTorch say
         return log, scaler, exc
     return log, scaler, None
@@ -200,7 +217,9 @@ def _clip_problem(norm_at_step: float | None, max_norm: float, true_norm: float)
             f"the optimizer got a gradient of norm {norm_at_step:.3g}, far below max_norm="
             f"{max_norm:.3g}: it was clipped while still multiplied by the scale; unscale first"
         )
-    return f"the optimizer got a gradient of norm {norm_at_step:.3g}, expected max_norm={max_norm:.3g}"
+    return (
+        f"the optimizer got a gradient of norm {norm_at_step:.3g}, expected max_norm={max_norm:.3g}"
+    )
 
 
 def check_window_boundary(answer: Callable[..., Any]) -> str | None:
@@ -271,4 +290,183 @@ window_boundary = Exercise(
         "after the step; clearing the gradients comes last.",
     ),
     reference=inspect.getsource(reference_window_boundary),
+)
+
+
+# ----------------------------------------------------------------------------- amp_microbatch
+
+
+def reference_amp_microbatch(model, microbatch, objective, window_count, scaler):
+    """Forward and backward of one microbatch of an fp16 window."""
+    with torch.autocast(device_type="cpu", dtype=torch.float16):
+        output = model(microbatch["x"])  # matrix products in fp16, weights stay float32
+        loss = objective.loss_sum(output, microbatch) / window_count  # the window's count
+    scaler.scale(loss).backward()  # S × the gradient lands in .grad; unscale_ at the boundary
+
+
+#: Relative tolerance on the unscaled window gradient: the answer does the same fp16 math.
+AMP_RTOL = 1e-3
+
+
+def _amp_case() -> tuple[nn.Module, list[dict[str, Tensor]]]:
+    """A fresh MLP and a window of three microbatches of 2, 3 and 4 examples."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 6, generator=g)
+    labels = torch.randint(0, 3, (9,), generator=g)
+    torch.manual_seed(7)
+    bounds = [(0, 2), (2, 5), (5, 9)]
+    return MLP(6, 12, 3), [{"x": x[a:b], "labels": labels[a:b]} for a, b in bounds]
+
+
+@dataclass
+class _AmpRun:
+    """What one run of an ``amp_microbatch`` answer left: the unscaled window gradient
+    (None if no backward reached the weights), the boundary calls the scaler saw, how
+    often it scaled a loss, the dtypes the first layer produced, and the scale."""
+
+    grads: dict[str, Tensor] | None
+    calls: list[str]
+    scaled: int
+    dtypes: set[torch.dtype]
+    scale: float
+    error: str | None = None
+
+
+def _amp_run(answer: Callable[..., Any]) -> _AmpRun:
+    """Call ``answer`` for every microbatch of the case's window with a recording scaler,
+    then unscale once (unless the answer already did)."""
+    model, window = _amp_case()
+    log = _Log()
+    scaler = _RecordingScaler(log)
+    dtypes: set[torch.dtype] = set()
+    model.net[0].register_forward_hook(lambda m, i, out: dtypes.add(out.dtype))
+    objective = ExampleLoss()
+    total = sum(objective.count(mb) for mb in window)
+    error = None
+    try:
+        for mb in window:
+            answer(model, mb, objective, total, scaler)
+    except NotImplementedError:
+        raise  # a stub: check() reports "not attempted yet"
+    except Exception as exc:  # reported after the calls it made, which explain it better
+        error = f"{type(exc).__name__}: {exc}"
+    calls = list(log.calls)  # the answer's calls only
+    if error or all(p.grad is None for p in model.parameters()) or "scale" not in calls:
+        grads = None if error else _grads(model)
+        return _AmpRun(grads, calls, calls.count("scale"), dtypes, scaler.get_scale(), error)
+    if "unscale_" not in calls:
+        scaler.unscale_(torch.optim.SGD(model.parameters(), lr=0.0))
+    return _AmpRun(_grads(model), calls, calls.count("scale"), dtypes, scaler.get_scale())
+
+
+def _grads(model: nn.Module) -> dict[str, Tensor] | None:
+    if all(p.grad is None for p in model.parameters()):
+        return None
+    return {
+        n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def _mean_per_microbatch(model, microbatch, objective, window_count, scaler):
+    with torch.autocast(device_type="cpu", dtype=torch.float16):
+        loss = objective.loss_sum(model(microbatch["x"]), microbatch) / objective.count(microbatch)
+    scaler.scale(loss / 3).backward()
+
+
+def _no_division(model, microbatch, objective, window_count, scaler):
+    with torch.autocast(device_type="cpu", dtype=torch.float16):
+        loss = objective.loss_sum(model(microbatch["x"]), microbatch)
+    scaler.scale(loss).backward()
+
+
+def check_amp_microbatch(answer: Callable[..., Any]) -> str | None:
+    """None when ``answer`` leaves the reference's scaled gradient after the window, else
+    what is wrong."""
+    if not callable(answer):
+        return f"expected a function, got {type(answer).__name__}"
+    with torch.random.fork_rng(devices=[]):
+        reference_run = _amp_run(reference_amp_microbatch)
+        reference, scale = reference_run.grads, reference_run.scale
+        run = _amp_run(answer)
+        got, dtypes = run.grads, run.dtypes
+        boundary = [c for c in run.calls if c in ("unscale_", "scaler.step", "update")]
+        if boundary:
+            return (
+                f"the answer called {', '.join(sorted(set(boundary)))} inside the microbatch; "
+                "unscale_, step and update belong to the boundary, once after the last "
+                "microbatch (the scale must stay the same for the whole window)"
+            )
+        if run.error is not None:
+            return f"your answer raised {run.error}"
+        if torch.float32 in dtypes or not dtypes:
+            return (
+                "the forward ran in float32: put the forward and the loss inside "
+                'torch.autocast(device_type="cpu", dtype=torch.float16)'
+            )
+        if torch.float16 not in dtypes:
+            return (
+                f"the forward ran in {sorted(map(str, dtypes))}; this window is fp16, the type "
+                "that needs the GradScaler: dtype=torch.float16"
+            )
+        if got is None:
+            return "no gradient reached the weights: call .backward() on the scaled loss"
+        if run.scaled == 0:
+            return (
+                "the loss was never passed through scaler.scale(loss): without it small fp16 "
+                "gradients underflow to zero, and unscale_ at the boundary divides by S anyway"
+            )
+        if compare(reference, got).ok(AMP_RTOL):
+            return None
+        unscaled = {k: v * scale for k, v in got.items()}
+        if compare(reference, unscaled).ok(AMP_RTOL):
+            return (
+                "the gradient is 1/S of the reference: call .backward() on scaler.scale(loss), "
+                "not on the loss itself"
+            )
+        for wrong, message in (
+            (
+                _mean_per_microbatch,
+                "each microbatch was divided by its own count: the average "
+                "of averages; divide every loss_sum by window_count, the window's total",
+            ),
+            (
+                _no_division,
+                "the loss_sum was not divided: divide it by window_count, the window's total count",
+            ),
+        ):
+            if compare(_amp_run(wrong).grads, got).ok(AMP_RTOL):
+                return message
+        model, window = _amp_case()
+        total = sum(ExampleLoss().count(mb) for mb in window)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        reference_amp_microbatch(model, window[-1], ExampleLoss(), total, scaler)
+        scaler.unscale_(torch.optim.SGD(model.parameters(), lr=0.0))
+        if compare(gradients_of(model), got).ok(AMP_RTOL):
+            return (
+                "only the last microbatch's gradient is left: earlier ones were cleared "
+                "(no zero_grad inside a microbatch; the window adds into .grad)"
+            )
+        return (
+            f"the unscaled window gradient differs from the reference (max relative error "
+            f"{compare(reference, got).max_rel_error:.2g})"
+        )
+
+
+def gradients_of(model: nn.Module) -> dict[str, Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+amp_microbatch = Exercise(
+    name="amp_microbatch",
+    checker=check_amp_microbatch,
+    hints=(
+        'with torch.autocast(device_type="cpu", dtype=torch.float16): compute '
+        'output = model(microbatch["x"]) and the loss inside the block.',
+        "The loss of one microbatch is objective.loss_sum(output, microbatch) / window_count: "
+        "the window's count, so the microbatches add up to the window's mean.",
+        "Backpropagate scaler.scale(loss), outside or inside autocast (both work); nothing "
+        "else: unscale_, step and update wait for the boundary.",
+    ),
+    reference=inspect.getsource(reference_amp_microbatch),
 )
