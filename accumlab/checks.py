@@ -259,7 +259,8 @@ class AuditOutput:
 
 
 class AuditLM(nn.Module):
-    """A tiny float64 causal language model, called like a Hugging Face model.
+    """A tiny causal language model (the audit runs it in float64), called like a Hugging
+    Face model.
 
     Position ``t`` sees the tokens at positions ``<= t`` only (its own embedding and the
     mean of the prefix), so right padding never changes a real token's logits and every
@@ -668,6 +669,32 @@ def audit(train_one_window: Callable[..., Any], *, seed: int = 0) -> AuditReport
         return _verdict(watch, windows, starts, final, reference, optimizer)
 
 
+def _cleared_before_step(kinds: Sequence[str]) -> int:
+    """How often ``zero_grad`` cleared a backward pass's gradient before any step used it
+    (only counted when a later step of the window then ran on what was left)."""
+    pending, cleared, lost = False, 0, 0
+    for kind in kinds:
+        if kind == "backward":
+            pending = True
+        elif kind == "zero_grad":
+            cleared, pending = cleared + pending, False
+        elif kind == "step":
+            lost, cleared, pending = lost + cleared, 0, False
+    return lost
+
+
+def _fit(grad: Tensor, basis: Sequence[Tensor]) -> tuple[list[float], float]:
+    """Least-squares ``grad ≈ Σ shares[j] × basis[j]``: the shares and the relative residual
+    (0 for a zero gradient, 1 when there is nothing to explain it with)."""
+    if float(grad.norm()) == 0.0:
+        return [0.0] * len(basis), 0.0
+    if not basis:
+        return [], 1.0
+    matrix = torch.stack(list(basis), dim=1)
+    shares = torch.linalg.lstsq(matrix, grad[:, None]).solution[:, 0]
+    return shares.tolist(), float((matrix @ shares - grad).norm() / grad.norm())
+
+
 def _near(x: float, y: float) -> bool:
     return abs(x - y) <= _TOL * max(abs(x), abs(y), 1e-12)
 
@@ -705,32 +732,17 @@ def _verdict(
         forwards = [i for kind, i in events if kind == "forward"]
         steps = [i for kind, i in events if kind == "step"]
 
-        # zero_grad between a backward pass and the step that should use it
-        pending, cleared, lost_clears = False, 0, 0
-        for kind in kinds:
-            if kind == "backward":
-                pending = True
-            elif kind == "zero_grad":
-                cleared, pending = cleared + pending, False
-            elif kind == "step":
-                lost_clears, cleared, pending = lost_clears + cleared, 0, False
-
-        # the gradient each step found, as a combination of correct contributions
+        lost_clears = _cleared_before_step(kinds)
+        # The gradient each step found, as a combination of correct contributions: of this
+        # window's forward passes, and of earlier windows' (gradients never cleared).
         previous = [i for (w, kind, i) in watch.events if w < k and kind == "forward"]
         candidates = [f for f in forwards + previous if watch.forwards[f].microbatch is not None]
         weights = [0.0] * a
         carried, residual = 0.0, 0.0
         for s in steps:
-            g = watch.steps[s].grad
-            if float(g.norm()) == 0.0:
-                continue
-            if not candidates:
-                residual = 1.0
-                continue
-            basis = torch.stack([contribution(f) for f in candidates], dim=1)
-            w = torch.linalg.lstsq(basis, g[:, None]).solution[:, 0]
-            residual = max(residual, float((basis @ w - g).norm() / g.norm()))
-            for f, x in zip(candidates, w.tolist(), strict=True):
+            shares, r = _fit(watch.steps[s].grad, [contribution(f) for f in candidates])
+            residual = max(residual, r)
+            for f, x in zip(candidates, shares, strict=True):
                 if watch.forwards[f].window == k:
                     weights[watch.forwards[f].microbatch] += x  # type: ignore[index]
                 else:
