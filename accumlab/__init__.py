@@ -20,8 +20,9 @@ from .checks import (
     split_batch,
 )
 from .distributed import ExampleIdCheck, check_example_ids, launch
+from .driver import train
 from .ledger import Ledger, RunRecord, UpdateReport
-from .loop import accumulate, train, train_window
+from .loop import accumulate, train_window
 from .memory import CannotShrinkError, MemoryMeter
 from .objectives import ExampleLoss, NextTokenLoss, Objective
 from .plan import AccumulationPlan, Window, data_parallel_size

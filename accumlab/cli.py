@@ -237,8 +237,8 @@ def _train(args: argparse.Namespace) -> int:
 
     from .course import data
     from .course.models import TinyGPT
+    from .driver import train
     from .ledger import RunRecord
-    from .loop import train
     from .objectives import NextTokenLoss
     from .plan import AccumulationPlan
 

@@ -3,15 +3,15 @@
 The rule, in one line: every microbatch backpropagates
 ``loss_sum(microbatch) × D / count(window, all replicas)`` and the optimizer steps once
 per window. ``accumulate`` does the backward passes; ``train_window`` adds the window
-boundary (unscale, clip, step, update the scale, clear, schedule); ``train`` feeds it
-windows from an iterable of microbatches and keeps the ledger.
+boundary (unscale, clip, step, update the scale, clear, schedule). ``train``, which
+feeds it windows from an iterable of microbatches and keeps the ledger, is the driver
+above it, in ``accumlab.driver``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,10 +21,9 @@ import torch
 from torch import Tensor, nn
 
 from . import distributed
-from .ledger import Ledger, UpdateReport
-from .objectives import Objective, check_batch, count_window, upcast
-from .oom import PartialUpdateError, train_window_shrinking
-from .plan import AccumulationPlan, check_positive_int
+from .ledger import UpdateReport
+from .objectives import Objective, count_window, upcast
+from .oom import PartialUpdateError
 from .precision import (
     PrecisionPolicy,
     mark_skipped,
@@ -357,239 +356,3 @@ def _step(step: Callable[[], Any], index: int) -> None:
             "microbatch cannot help, a lighter optimizer or sharded or offloaded optimizer "
             f"state can. The error was: {exc}"
         ) from exc
-
-
-def _progress(total: int | None, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
-
-    # Every rank runs the same windows, so rank 0's bar speaks for all of them.
-    if distributed.is_distributed() and torch.distributed.get_rank() != 0:
-        enabled = False
-    # Pass disable only to switch the bar off: left unset, TQDM_DISABLE=1 can still do it.
-    options = {} if enabled else {"disable": True}
-    return tqdm(total=total, unit="update", desc="updates", **options)
-
-
-def _planned_windows(batches: Iterable[Any], plan: AccumulationPlan) -> int | None:
-    try:
-        n = len(batches)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-    full, rest = divmod(n, plan.accumulation_steps)
-    return full + (1 if rest and plan.last_window == "update" else 0)
-
-
-def check_clip_grad_norm(clip_grad_norm: object) -> float | None:
-    """``clip_grad_norm`` if it is ``None`` or a positive, finite number (the largest L2
-    norm the combined gradient may have); ``TypeError``/``ValueError`` otherwise."""
-    if clip_grad_norm is None:
-        return None
-    if isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, numbers.Real):
-        raise TypeError(
-            "clip_grad_norm must be a number (the largest L2 norm of the combined gradient) "
-            f"or None, got {type(clip_grad_norm).__name__} ({clip_grad_norm!r})"
-        )
-    if not (clip_grad_norm > 0 and math.isfinite(clip_grad_norm)):
-        raise ValueError(
-            f"clip_grad_norm must be positive and finite, or None for no clipping, got "
-            f"{clip_grad_norm!r}"
-        )
-    return float(clip_grad_norm)
-
-
-def _check_callable(name: str, value: object) -> None:
-    if value is not None and not callable(value):
-        raise TypeError(f"{name} must be callable or None, got {type(value).__name__}")
-
-
-def _check_train_arguments(
-    model: object,
-    batches: object,
-    optimizer: object,
-    plan: object,
-    objective: object,
-    options: Mapping[str, Any],
-) -> None:
-    """Every argument of ``train`` that can be checked without reading data."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(batches, Mapping) or not isinstance(batches, Iterable):
-        raise TypeError(
-            "batches must be an iterable of microbatches (a list, a DataLoader, a generator), "
-            f"got {type(batches).__name__}; to train on one batch, pass [batch]"
-        )
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if not isinstance(plan, AccumulationPlan):
-        raise TypeError(f"plan must be an AccumulationPlan, got {type(plan).__name__}")
-    if not all(callable(getattr(objective, name, None)) for name in ("count", "loss_sum")):
-        raise TypeError(
-            "objective must have count(batch) and loss_sum(output, batch) methods, such as "
-            f"accumlab.NextTokenLoss() or accumlab.ExampleLoss(), got {type(objective).__name__}"
-        )
-    scheduler = options["scheduler"]
-    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
-        raise TypeError(
-            "scheduler must have a step() method (a torch.optim.lr_scheduler scheduler) or "
-            f"be None, got {type(scheduler).__name__}"
-        )
-    check_clip_grad_norm(options["clip_grad_norm"])
-    if options["max_updates"] is not None:
-        check_positive_int("max_updates", options["max_updates"])
-    if not isinstance(options["progress"], bool):
-        raise TypeError(f"progress must be True or False, got {options['progress']!r}")
-    _check_callable("forward", options["forward"])
-    _check_callable("on_update", options["on_update"])
-    for name, allowed in (
-        ("nonfinite", ("skip", "raise")),
-        ("scheduler_per", ("applied", "attempt")),
-        ("on_oom", ("raise", "shrink")),
-    ):
-        if options[name] not in allowed:
-            raise ValueError(f"{name} must be {allowed[0]!r} or {allowed[1]!r}, got {options[name]!r}")
-
-
-def _note_microbatch_sizes(
-    microbatches: Sequence[Mapping[str, Tensor]], first: int, plan: AccumulationPlan, ledger: Ledger
-) -> None:
-    """Raise if a loader microbatch holds more than ``m`` examples; keep the largest seen.
-
-    ``first`` is the loader index of ``microbatches[0]``, for the message.
-    """
-    for i, microbatch in enumerate(microbatches):
-        examples = _examples(check_batch(microbatch, f"microbatch {first + i}"))
-        if examples > plan.micro_batch_size:
-            raise ValueError(
-                f"microbatch {first + i} has {examples} examples, more than the plan's "
-                f"micro_batch_size={plan.micro_batch_size}; the effective batch "
-                f"{plan.effective_batch_size} would be wrong. Make the loader's batch size "
-                "the plan's micro_batch_size, or build the plan from the loader's"
-            )
-        ledger.largest_microbatch = max(ledger.largest_microbatch, examples)
-
-
-def train(
-    model: nn.Module,
-    batches: Iterable[Mapping[str, Tensor]],
-    optimizer: torch.optim.Optimizer,
-    plan: AccumulationPlan,
-    objective: Objective,
-    *,
-    scheduler: Any = None,
-    clip_grad_norm: float | None = None,
-    max_updates: int | None = None,
-    progress: bool = True,
-    forward: Forward | None = None,
-    precision: str = "fp32",
-    scaler: torch.amp.GradScaler | None = None,
-    meter: Any = None,
-    nonfinite: Literal["skip", "raise"] = "skip",
-    scheduler_per: Literal["applied", "attempt"] = "applied",
-    on_update: Callable[[UpdateReport], None] | None = None,
-    on_oom: Literal["raise", "shrink"] = "raise",
-) -> Ledger:
-    """Train on an iterable of microbatches, ``plan.accumulation_steps`` per window.
-
-    Every argument is checked before the first microbatch is read (a bad one is a
-    ``TypeError`` or ``ValueError`` naming it), then the model is put in training mode
-    (``model.train()``; it stays there). Each window goes through ``train_window``. A
-    microbatch read from ``batches`` may hold at most ``plan.micro_batch_size`` examples
-    (a ``ValueError`` otherwise, before its window is trained on: a larger one would make
-    every count of the plan wrong); ``ledger.largest_microbatch`` keeps the largest seen.
-    A short last window is trained on with ``plan.last_window == "update"`` (normalised by
-    its own count) or counted as dropped with ``"drop"``. ``max_updates`` stops after that
-    many update attempts (the rest of the iterable is not read). ``on_update`` is called
-    with each report. The progress bar (``progress=True``) shows on rank 0 only. Returns
-    the ledger of this replica's counts.
-
-    Precision: ``precision``, ``scaler``, ``nonfinite`` and ``scheduler_per`` mean what
-    they mean in ``train_window``. With ``precision="fp16"`` and no scaler, one
-    ``torch.amp.GradScaler`` for the model's device serves the whole run; the ledger
-    counts update attempts, applied updates and skipped ones apart.
-
-    Out of memory: ``on_oom="raise"`` lets ``torch.OutOfMemoryError`` through;
-    ``on_oom="shrink"`` retries the window with every microbatch cut in half (same
-    examples, same denominator, same update; see ``accumlab.oom``), keeps the
-    smaller size for later windows and records each shrink in ``ledger.shrinks``.
-    """
-    _check_train_arguments(
-        model,
-        batches,
-        optimizer,
-        plan,
-        objective,
-        {
-            "scheduler": scheduler,
-            "clip_grad_norm": clip_grad_norm,
-            "max_updates": max_updates,
-            "progress": progress,
-            "forward": forward,
-            "nonfinite": nonfinite,
-            "scheduler_per": scheduler_per,
-            "on_update": on_update,
-            "on_oom": on_oom,
-        },
-    )
-    distributed.check_replicas(model, plan)  # plan.data_parallel_size must be the model's D
-    update_parameters(model, optimizer)  # the optimizer must hold some trainable parameter
-    # Check precision and scaler before reading any data. fp16 without a scaler gets one
-    # GradScaler for the whole run, so the scale and its growth count carry across windows.
-    policy = precision_policy(precision, model_device(model))
-    if scaler is None:
-        scaler = resolve_scaler(policy, None)
-    else:
-        resolve_scaler(policy, scaler)  # wrong type or device raises; disabled under fp16 warns
-    model.train()  # dropout on: a model left in eval() would otherwise train without it
-
-    ledger = Ledger()
-    halvings = 0  # on_oom="shrink": how often every loader microbatch is cut in half
-    total = _planned_windows(batches, plan)
-    if max_updates is not None and total is not None:
-        total = min(total, max_updates)
-    with _progress(total, progress) as bar:
-        # Under data parallelism every rank gets the same number of windows and of
-        # microbatches per window, padded with zero-target microbatches where it has fewer.
-        group = distributed.data_parallel_group(model)
-        for window in distributed.aligned_windows(plan, batches, objective, group):
-            real = window.microbatches[: len(window.microbatches) - window.padding]
-            _note_microbatch_sizes([*real, *window.dropped], ledger.loader_batches, plan, ledger)
-            ledger.loader_batches += window.loader_batches
-            if window.dropped:
-                counts = count_window(objective, window.dropped)
-                ledger.record_dropped(sum(_examples(mb) for mb in window.dropped), sum(counts))
-            if not window.microbatches:
-                continue
-
-            def attempt(microbatches: list[Any], window_meter: Any) -> UpdateReport:
-                return train_window(
-                    model,
-                    microbatches,
-                    optimizer,
-                    objective,
-                    scaler=scaler,
-                    clip_grad_norm=clip_grad_norm,
-                    scheduler=scheduler,
-                    precision=precision,
-                    meter=window_meter,
-                    forward=forward,
-                    nonfinite=nonfinite,
-                    scheduler_per=scheduler_per,
-                    index=ledger.update_attempts,
-                )
-
-            if on_oom == "shrink":
-                # Counts the padding among the (possibly halved) microbatches it ran.
-                report, halvings = train_window_shrinking(
-                    attempt, window.microbatches, model, optimizer, meter, ledger, halvings
-                )
-            else:
-                report = attempt(window.microbatches, meter)
-                report.padding_microbatches = window.padding
-            ledger.record(report)
-            bar.update(1)
-            bar.set_postfix(loss=f"{report.loss:.3f}", refresh=False)
-            if on_update is not None:
-                on_update(report)
-            if max_updates is not None and ledger.update_attempts >= max_updates:
-                break
-    return ledger

@@ -92,12 +92,12 @@ TINY = ["train", "--micro", "2", "--steps", "2", "--updates", "1", "--examples",
 @pytest.fixture
 def no_training(monkeypatch):
     """Fail the test if the command starts training (it must refuse before that)."""
-    import accumlab.loop
+    import accumlab.driver
 
     def refuse(*args, **kwargs):
         raise AssertionError("training started although the record path was refused")
 
-    monkeypatch.setattr(accumlab.loop, "train", refuse)
+    monkeypatch.setattr(accumlab.driver, "train", refuse)
 
 
 def test_record_holds_the_run_settings_in_a_new_directory(tmp_path, capsys):
@@ -120,15 +120,15 @@ def test_record_alone_goes_under_runs(tmp_path, monkeypatch, capsys):
 def test_existing_record_is_kept_unless_force(tmp_path, capsys, monkeypatch):
     path = tmp_path / "run.json"
     path.write_text("earlier run\n")
-    import accumlab.loop
+    import accumlab.driver
 
-    real_train = accumlab.loop.train
-    monkeypatch.setattr(accumlab.loop, "train", lambda *a, **k: pytest.fail("trained first"))
+    real_train = accumlab.driver.train
+    monkeypatch.setattr(accumlab.driver, "train", lambda *a, **k: pytest.fail("trained first"))
     assert main([*TINY, "--record", str(path)]) == 1
     assert path.read_text() == "earlier run\n"
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "already exists" in err and "--force" in err
-    monkeypatch.setattr(accumlab.loop, "train", real_train)
+    monkeypatch.setattr(accumlab.driver, "train", real_train)
     assert main([*TINY, "--record", str(path), "--force"]) == 0
     assert json.loads(path.read_text())["update_attempts"] == 1
 
