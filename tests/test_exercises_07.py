@@ -61,3 +61,9 @@ def test_stub_is_not_attempted(capsys):
 def test_not_a_function(capsys):
     assert ex07.clinic_window.check(42) is False
     assert "expected a function, got int" in capsys.readouterr().out
+
+
+def test_notebook_ships_the_exercise_unsolved():
+    from notebook_exercises import assert_unsolved
+
+    assert_unsolved("07_capstone.ipynb", {"clinic_window": "ex07"})
