@@ -220,6 +220,20 @@ def newest_common(directory: str | os.PathLike[str]) -> int | None:
     )
 
 
+def _refuse_a_used_directory(directory: Path) -> None:
+    """``ValueError`` (on every rank: collective) when a fresh run would write into a
+    directory that holds checkpoints: its newer ones would later pass for this run's."""
+    rank, world = _rank_and_world()
+    mine = list_checkpoints(directory, rank)
+    newest = max(row[0] for row in distributed.gather_counts([mine[0] if mine else -1]))
+    if newest >= 0:
+        raise ValueError(
+            f"checkpoint_dir {os.fspath(directory)!r} already holds checkpoints (the newest after "
+            f"{newest} update attempts); pass resume=True to continue that run, or give a new "
+            "directory (or delete them) to start another"
+        )
+
+
 # ---------------------------------------------------------------------------- compatibility
 
 
@@ -302,7 +316,8 @@ class Checkpointer:
     already trained on, write after every ``every`` attempts and after the last one.
 
     Without a ``directory`` it does nothing but hand out a fresh ledger and stop the
-    windows at ``max_updates``. In ``train``::
+    windows at ``max_updates``. A fresh start (``resume=False``) into a directory that
+    already holds checkpoints is a ``ValueError``. In ``train``::
 
         ckpt = Checkpointer(checkpoint_dir, checkpoint_every, resume, model=..., ...)
         ledger, halvings = ckpt.ledger, ckpt.halvings      # restored when resuming
@@ -353,8 +368,11 @@ class Checkpointer:
         self._position = 0  # loader microbatches those windows must add up to
         self._rng: dict[str, Any] | None = None  # restored once the skip is done
         self._written: tuple[int, int] | None = None
-        if resume and self.directory is not None:
-            self._resume()
+        if self.directory is not None:
+            if resume:
+                self._resume()
+            else:
+                _refuse_a_used_directory(self.directory)
 
     def _resume(self) -> None:
         assert self.directory is not None

@@ -223,13 +223,8 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def _agree(name: str, given: str | None, used: str | None, default: str) -> str:
-    """The value a record shows: what the run used, else the caller's, else ``default``."""
-    if given is not None and used is not None and given != used:
-        raise ValueError(
-            f"{name}={given!r} contradicts the ledger, whose run used {name}={used!r}; leave "
-            f"{name} out to record the run's"
-        )
+def _chosen(given: str | None, used: str | None, default: str) -> str:
+    """The value a record shows: the caller's, else what the run used, else ``default``."""
     return given if given is not None else used if used is not None else default
 
 
@@ -305,9 +300,8 @@ class RunRecord:
         by hand: ``unit`` is the objective's ``unit`` (``"target"``, the default, or
         ``"example"``); ``precision`` the run's ``"fp32"`` (default), ``"bf16"`` or
         ``"fp16"``; ``scaler`` the ``torch.amp.GradScaler`` the run used (its settings and
-        current scale are recorded; it takes precedence over the ledger's). A ``unit`` or
-        ``precision`` that contradicts the ledger's is a ``ValueError``. Skipped attempts
-        are split by their report's ``skipped_reason``.
+        current scale are recorded). A keyword given overrides what the ledger noted.
+        Skipped attempts are split by their report's ``skipped_reason``.
 
         ``reduce_over_ranks=True`` (collective: every rank calls it) records the whole
         run: examples, targets, microbatches and the window losses summed over the ranks
@@ -328,8 +322,8 @@ class RunRecord:
         if not isinstance(ledger, Ledger):
             raise TypeError(f"ledger must be a Ledger, got {type(ledger).__name__}")
         used = ledger.settings
-        unit = _agree("unit", unit, used.get("unit"), "target")
-        precision = _agree("precision", precision, used.get("precision"), "fp32")
+        unit = _chosen(unit, used.get("unit"), "target")
+        precision = _chosen(precision, used.get("precision"), "fp32")
         if settings is None and used.get("scaler") is not None:
             settings = dict(used["scaler"])
         if unit not in NORMALIZATION:
