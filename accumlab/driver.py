@@ -1,20 +1,22 @@
 """The driver: ``train`` feeds ``train_window`` windows from an iterable of microbatches.
 
 It composes the layers above the core loop: windows from a loader, the ledger, progress
-on rank 0, rank alignment under data parallelism, and OOM shrinking.
+on rank 0, rank alignment under data parallelism, OOM shrinking, and checkpoints with
+exact resume (``accumlab.checkpoint``).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from . import distributed
+from . import checkpoint, distributed
 from .ledger import Ledger, UpdateReport
 from .loop import Forward, _examples, model_device, train_window
 from .objectives import Objective, check_batch, count_window
@@ -151,6 +153,9 @@ def train(
     scheduler_per: Literal["applied", "attempt"] = "applied",
     on_update: Callable[[UpdateReport], None] | None = None,
     on_oom: Literal["raise", "shrink"] = "raise",
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = False,
 ) -> Ledger:
     """Train on an iterable of microbatches, ``plan.accumulation_steps`` per window.
 
@@ -175,6 +180,20 @@ def train(
     ``on_oom="shrink"`` retries the window with every microbatch cut in half (same
     examples, same denominator, same update; see ``accumlab.oom``), keeps the
     smaller size for later windows and records each shrink in ``ledger.shrinks``.
+
+    Checkpoints (``accumlab.checkpoint``): with ``checkpoint_dir``, a checkpoint is written
+    there after every ``checkpoint_every`` update attempts of the run and after the last
+    one (atomically; the newest two are kept). ``resume=True`` continues from the newest
+    checkpoint in ``checkpoint_dir`` (a fresh start when there is none), given the same
+    model, optimizer, scheduler and data as the run that wrote it: the weights, optimizer,
+    scheduler, GradScaler, ledger, OOM shrink state, RNG states and data position are
+    restored, and the windows already trained on are skipped without a forward pass.
+    ``max_updates`` then counts the whole run's attempts, resumed ones included, so the
+    same call can be repeated until the run is done. Without ``resume``, a
+    ``checkpoint_dir`` that already holds checkpoints is a ``ValueError``.
+
+    The ledger records what the run used (``ledger.settings``), so
+    ``RunRecord.from_run(plan, ledger)`` needs nothing else.
     """
     _check_train_arguments(
         model,
@@ -194,6 +213,7 @@ def train(
             "on_oom": on_oom,
         },
     )
+    checkpoint.check_arguments(checkpoint_dir, checkpoint_every, resume)
     distributed.check_replicas(model, plan)  # plan.data_parallel_size must be the model's D
     update_parameters(model, optimizer)  # the optimizer must hold some trainable parameter
     # Check precision and scaler before reading any data. fp16 without a scaler gets one
@@ -205,16 +225,25 @@ def train(
         resolve_scaler(policy, scaler)  # wrong type or device raises; disabled under fp16 warns
     model.train()  # dropout on: a model left in eval() would otherwise train without it
 
-    ledger = Ledger()
-    halvings = 0  # on_oom="shrink": how often every loader microbatch is cut in half
+    ckpt = checkpoint.Checkpointer(
+        checkpoint_dir, checkpoint_every, resume, model=model, optimizer=optimizer,
+        scheduler=scheduler, scaler=scaler, plan=plan, precision=precision, batches=batches,
+    )  # fmt: skip
+    ledger = ckpt.ledger  # restored from the checkpoint when resuming
+    halvings = ckpt.halvings  # on_oom="shrink": how often every loader microbatch is cut in half
+    settings = {"precision": precision, "scaler": scaler, "clip_grad_norm": clip_grad_norm,
+                "optimizer": optimizer, "unit": getattr(objective, "unit", None)}  # fmt: skip
+    ledger.note_settings(**settings)
     total = _planned_windows(batches, plan)
     if max_updates is not None and total is not None:
         total = min(total, max_updates)
     with _progress(total, progress) as bar:
+        bar.update(ledger.update_attempts)  # those of the run this one resumes
         # Under data parallelism every rank gets the same number of windows and of
         # microbatches per window, padded with zero-target microbatches where it has fewer.
         group = distributed.data_parallel_group(model)
-        for window in distributed.aligned_windows(plan, batches, objective, group):
+        windows = distributed.aligned_windows(plan, batches, objective, group)
+        for window in ckpt.windows(windows, max_updates):  # after those already trained on
             real = window.microbatches[: len(window.microbatches) - window.padding]
             _note_microbatch_sizes([*real, *window.dropped], ledger.loader_batches, plan, ledger)
             ledger.loader_batches += window.loader_batches
@@ -250,10 +279,13 @@ def train(
                 report = attempt(window.microbatches, meter)
                 report.padding_microbatches = window.padding
             ledger.record(report)
+            ckpt.after_attempt(halvings)
             bar.update(1)
             bar.set_postfix(loss=f"{report.loss:.3f}", refresh=False)
             if on_update is not None:
                 on_update(report)
             if max_updates is not None and ledger.update_attempts >= max_updates:
                 break
+    ledger.note_settings(**settings)  # the scaler's final scale
+    ckpt.finish(halvings)
     return ledger
