@@ -30,6 +30,14 @@ PIP := $(BIN)/python -m pip install --disable-pip-version-check $(PIPFLAGS)
 LAB_PORT ?= 8888
 LAB_ARGS ?=
 LAB_NOTEBOOK := notebooks/00_start_here.ipynb
+# The layout the lab opens in: a JupyterLab workspace with the file browser at the
+# repository root and LAB_NOTEBOOK open. Each `make lab` imports the committed file into
+# LAB_WORKSPACES inside the virtual environment and opens /lab/workspaces/LAB_WORKSPACE;
+# JupyterLab saves layout changes there, never into the repository. (A ?file-browser-path
+# query on a /lab/tree URL cannot be used: the server appends ?token= to the URL it prints.)
+LAB_WORKSPACE := accumlab
+LAB_WORKSPACE_FILE := tools/lab-workspace.json
+LAB_WORKSPACES := $(VENV)/lab-workspaces
 
 # Deterministic, headless runs for tests and notebook re-execution.
 export MPLBACKEND := Agg
@@ -64,12 +72,15 @@ $(VENV)/.installed-dev: $(VENV)/.installed-core
 	$(PIP) -e ".[dev]"
 	@touch $@
 
-# Serve the repository root (README, accumlab/, examples/ in the file browser); the URL
-# JupyterLab opens or prints (with its token) lands on notebook 00.
+# Serve the repository root; the URL JupyterLab opens or prints (with its token) is the
+# course's workspace: README, accumlab/ and examples/ in the file browser, notebook 00 open.
 lab: $(VENV)/.installed-lab
+	$(BIN)/jupyter lab workspaces import --name=$(LAB_WORKSPACE) \
+	  --LabWorkspaceImportApp.workspaces_dir=$(LAB_WORKSPACES) $(LAB_WORKSPACE_FILE)
 	@echo "starting JupyterLab at the repository root with $(LAB_NOTEBOOK) open (Ctrl-C twice stops it) ..."
 	$(BIN)/jupyter lab --ServerApp.root_dir=. --ServerApp.port=$(LAB_PORT) \
-	  --LabApp.default_url=/lab/tree/$(LAB_NOTEBOOK) \
+	  --LabApp.workspaces_dir=$(LAB_WORKSPACES) \
+	  --LabApp.default_url=/lab/workspaces/$(LAB_WORKSPACE) \
 	  $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 check: $(VENV)/.installed-core

@@ -6,6 +6,7 @@ index reaches pip's command line, not that a download works.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -85,13 +86,38 @@ def test_every_install_step_is_announced_and_pip_is_not_silenced(tmp_path):
     assert quiet and all(re.search(r"\s-q\b", line) for line in quiet)
 
 
-def test_lab_serves_the_repository_root_with_notebook_00(tmp_path):
+def test_lab_serves_the_repository_root_in_the_course_workspace(tmp_path):
+    venv = tmp_path / "venv"
     lines = dry_run(tmp_path, "lab", "LAB_PORT=9999", "LAB_ARGS=--no-browser")
-    start = " ".join(lines[lines.index(next(x for x in lines if "jupyter lab" in x)):])
+    text = "\n".join(lines).replace("\\\n", " ")
+    (load,) = [x for x in text.splitlines() if "jupyter lab workspaces import" in x]
+    (start,) = [x for x in text.splitlines() if "/jupyter lab " in x and "import" not in x]
+    assert text.index(load) < text.index(start)  # the layout is in place before the server
+    # the committed layout is copied into the virtual environment under the name the URL
+    # opens, so JupyterLab saves the learner's layout there and never into the repository
+    assert load.split()[-1] == "tools/lab-workspace.json"
+    assert "--name=accumlab " in load
+    assert f"--LabWorkspaceImportApp.workspaces_dir={venv}/lab-workspaces " in load
+    assert f"--LabApp.workspaces_dir={venv}/lab-workspaces " in start
+    assert "--LabApp.default_url=/lab/workspaces/accumlab " in start
     assert "--ServerApp.root_dir=. " in start
-    assert "--LabApp.default_url=/lab/tree/notebooks/00_start_here.ipynb" in start
-    assert "--ServerApp.port=9999" in start and "--no-browser" in start
-    assert (ROOT / "notebooks" / "00_start_here.ipynb").is_file()
+    assert "--ServerApp.port=9999" in start and start.endswith("--no-browser")
+
+
+def test_the_course_workspace_opens_notebook_00_with_the_root_in_the_file_browser():
+    workspace = json.loads((ROOT / "tools" / "lab-workspace.json").read_text())
+    data = workspace["data"]
+    assert data["file-browser-filebrowser:cwd"] == {"path": ""}  # "" is the server's root
+    notebook = "notebooks/00_start_here.ipynb"
+    layout = data["layout-restorer:data"]
+    assert layout["main"]["current"] == f"notebook:{notebook}"
+    assert layout["main"]["dock"]["widgets"] == [f"notebook:{notebook}"]
+    assert layout["left"] == {"collapsed": False, "current": "filebrowser"}
+    assert data[f"notebook:{notebook}"]["data"] == {"path": notebook, "factory": "Notebook"}
+    assert (ROOT / notebook).is_file()
+    assert workspace["metadata"]["id"] == "accumlab"
+    # the line `make lab` prints before starting names the notebook the workspace opens
+    assert f"LAB_NOTEBOOK := {notebook}\n" in (ROOT / "Makefile").read_text()
 
 
 def test_check_and_test_run_the_smoke_check(tmp_path):

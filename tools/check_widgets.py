@@ -3,8 +3,10 @@
 Starts ``make lab`` (the same command a learner runs) on a free port with a known token,
 drives headless Chromium through Playwright, and for notebooks 00 and 02:
 
-- checks that JupyterLab's file browser shows the repository root (README.md, accumlab/)
-  and that notebook 00 opened by itself;
+- checks that the page JupyterLab prints opens the course's workspace: the file browser
+  lists the repository root (README.md, accumlab/, examples/) and notebook 00 is open,
+  with no click; and that JupyterLab saved its layout inside the virtual environment,
+  leaving the committed tools/lab-workspace.json as it was;
 - runs every cell, then measures each slider's track (the draggable part) in CSS pixels
   and the gaps between the column headers of the widget tables;
 - saves a screenshot of each widget to ``--out`` (default /tmp/accumlab-widgets).
@@ -13,7 +15,8 @@ Needs ``pip install playwright`` and a Chromium on disk (``apt-get install chrom
 it never downloads a browser. Autosave is switched off for this server, so the
 notebooks on disk are left as they are. Not part of ``make test``: run it by hand,
 
-    .venv/bin/python tools/check_widgets.py [--repo DIR] [--min-track 200]
+    .venv/bin/python tools/check_widgets.py [--repo DIR] [--venv DIR] [--min-track 200]
+                                            [--landing-only]
 
 Exit code 1 when a track is narrower than ``--min-track`` px or a check fails.
 """
@@ -83,8 +86,12 @@ def wait_for_server(url: str, timeout: float) -> None:
     raise RuntimeError(f"JupyterLab did not answer at {url} within {timeout:.0f} s")
 
 
-def start_lab(repo: Path, port: int, token: str, settings: Path, log: Path) -> subprocess.Popen:
-    """``make lab`` on ``port`` with ``token``, autosave off; its own process group."""
+def start_lab(repo: Path, venv: Path | None, port: int, token: str, settings: Path,
+              log: Path) -> subprocess.Popen:
+    """``make lab`` on ``port`` with ``token``, autosave off; its own process group.
+
+    ``venv`` (make's VENV) None: the repository's own ``.venv``.
+    """
     plugin = settings / "@jupyterlab" / "docmanager-extension" / "plugin.jupyterlab-settings"
     plugin.parent.mkdir(parents=True)
     plugin.write_text(json.dumps({"autosave": False}))
@@ -94,8 +101,9 @@ def start_lab(repo: Path, port: int, token: str, settings: Path, log: Path) -> s
     env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(settings), "TQDM_DISABLE": "1",
            "OMP_NUM_THREADS": "1"}
     args = f"--no-browser --IdentityProvider.token={token}"
+    make_venv = [f"VENV={venv}"] if venv is not None else []
     return subprocess.Popen(
-        ["make", "-C", str(repo), "lab", f"LAB_PORT={port}", f"LAB_ARGS={args}"],
+        ["make", "-C", str(repo), "lab", *make_venv, f"LAB_PORT={port}", f"LAB_ARGS={args}"],
         stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )
 
@@ -120,15 +128,25 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("/tmp/accumlab-widgets"))
     parser.add_argument("--min-track", type=float, default=200.0, help="px")
     parser.add_argument("--width", type=int, default=1280, help="browser window width, px")
+    parser.add_argument("--venv", type=Path, default=None,
+                        help="make's VENV (default: the repository's .venv)")
+    parser.add_argument("--landing-only", action="store_true",
+                        help="check what the lab opens on, then stop (no cells are run)")
     args = parser.parse_args()
+    args.venv = args.venv.resolve() if args.venv is not None else None  # make -C moves
 
     from playwright.sync_api import sync_playwright
 
     args.out.mkdir(parents=True, exist_ok=True)
     port, token = free_port(), secrets.token_hex(16)
     problems: list[str] = []
+    committed = args.repo / "tools" / "lab-workspace.json"
+    committed_before = committed.read_bytes()
+    workspaces = (args.venv or args.repo / ".venv") / "lab-workspaces"
+    started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_lab(args.repo, port, token, Path(tmp) / "settings", args.out / "lab.log")
+        server = start_lab(args.repo, args.venv, port, token, Path(tmp) / "settings",
+                           args.out / "lab.log")
         try:
             wait_for_server(f"http://127.0.0.1:{port}/api/status?token={token}", 120)
             with sync_playwright() as pw:
@@ -141,23 +159,23 @@ def main() -> int:
                 print(f"JupyterLab printed {printed}")
                 page.goto(printed.split("?")[0] + f"?token={token}")
                 page.wait_for_selector(".jp-DirListing-item", timeout=60_000)
+                page.wait_for_selector(".jp-Notebook .jp-Cell", state="attached",
+                                       timeout=60_000)
                 page.wait_for_timeout(3000)
                 tabs = page.locator(".lm-DockPanel-tabBar .lm-TabBar-tabLabel").all_inner_texts()
-                print(f"open tabs: {', '.join(tabs)}")
-                shown = page.locator(".jp-DirListing-itemText").all_inner_texts()
-                print(f"file browser on arrival: {', '.join(shown)}")
-                page.screenshot(path=str(args.out / "lab.png"))
-                page.locator(".jp-BreadCrumbs-home").first.click()  # the server's root
-                page.wait_for_timeout(1500)
+                current = page.locator(".lm-DockPanel-tabBar .lm-mod-current "
+                                       ".lm-TabBar-tabLabel").all_inner_texts()
+                print(f"open tabs: {', '.join(tabs)} (current: {', '.join(current)})")
                 listing = page.locator(".jp-DirListing-itemText").all_inner_texts()
-                print(f"file browser at the root: {', '.join(listing)}")
-                for expected in ("README.md", "accumlab", "notebooks"):
+                print(f"file browser on arrival: {', '.join(listing)}")
+                for expected in ("README.md", "accumlab", "examples", "notebooks"):
                     if expected not in listing:
-                        problems.append(f"{expected} is not in the file browser's root")
-                if not any(t.startswith("00_start_here") for t in tabs):
-                    problems.append("notebook 00 did not open by itself")
-                page.screenshot(path=str(args.out / "lab_root.png"))
-                for notebook in NOTEBOOKS:
+                        problems.append(f"{expected} is not in the file browser on arrival")
+                if current != ["00_start_here.ipynb"]:
+                    problems.append(f"the open tab is {current}, not notebook 00")
+                page.screenshot(path=str(args.out / "lab.png"))
+                print(f"screenshot {args.out / 'lab.png'}")
+                for notebook in NOTEBOOKS if not args.landing_only else ():
                     name = Path(notebook).stem
                     page.goto(f"http://127.0.0.1:{port}/lab/tree/{notebook}?token={token}")
                     page.wait_for_selector(".jp-Notebook .jp-Cell", state="attached",
@@ -191,6 +209,16 @@ def main() -> int:
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=30)
+    # `make lab` copies the committed layout in; JupyterLab then writes the page's state
+    # over that copy, so a saved workspace holds data the committed file does not
+    layout = json.loads(committed_before)["data"]
+    saved = [w for w in workspaces.glob("*.jupyterlab-workspace")
+             if w.stat().st_mtime >= started and json.loads(w.read_text())["data"] != layout]
+    print(f"JupyterLab saved its layout to {', '.join(map(str, saved)) or 'nothing'}")
+    if not saved:
+        problems.append(f"no workspace was written under {workspaces}")
+    if committed.read_bytes() != committed_before:
+        problems.append(f"{committed} changed while the lab ran")
     for problem in problems:
         print(f"check_widgets: {problem}", file=sys.stderr)
     return 1 if problems else 0
