@@ -3,6 +3,7 @@
     accumlab env [--check]                         # versions, threads, devices (+ smoke check)
     accumlab plan --effective 64 --micro 4 --dp 2  # A for a target effective batch
     accumlab train --micro 4 --steps 8 --updates 20 --record runs/run.json
+    accumlab train --updates 20 --checkpoint-dir runs/ckpt --checkpoint-every 5 --resume
 
 Exit codes: 0 success, 1 a failed check or a file that cannot be written (one line on
 stderr, never a traceback), 2 bad arguments.
@@ -235,6 +236,7 @@ def write_atomically(path: Path, text: str, *, force: bool) -> None:
 def _train(args: argparse.Namespace) -> int:
     import torch
 
+    from . import checkpoint
     from .course import data
     from .course.models import TinyGPT
     from .driver import train
@@ -243,11 +245,21 @@ def _train(args: argparse.Namespace) -> int:
     from .plan import AccumulationPlan
 
     plan = AccumulationPlan(args.micro, args.steps, last_window=args.last_window)
+    if args.checkpoint_dir is None and (args.checkpoint_every is not None or args.resume):
+        raise ValueError("--checkpoint-every and --resume need --checkpoint-dir DIR (e.g. runs/ckpt)")
+    checkpoint.check_arguments(args.checkpoint_dir, args.checkpoint_every, args.resume)
+    if args.checkpoint_dir and not args.resume and checkpoint.list_checkpoints(args.checkpoint_dir):
+        raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints; add "
+                         "--resume to continue that run, or choose another directory")
     record_path = None
     if args.record is not None:
         path = default_record_path() if args.record is AUTO_RECORD else args.record
         record_path = prepare_record_path(path, force=args.force)
 
+    if args.resume:
+        done = checkpoint.list_checkpoints(args.checkpoint_dir)
+        print(f"resuming from {checkpoint.checkpoint_path(args.checkpoint_dir, done[0])}" if done
+              else f"no checkpoint in {args.checkpoint_dir} yet: starting fresh")  # fmt: skip
     torch.manual_seed(args.seed)
     examples = data.load_examples(limit=args.examples)
     batches = data.microbatches(examples, plan.micro_batch_size, shuffle=True, seed=args.seed)
@@ -264,6 +276,9 @@ def _train(args: argparse.Namespace) -> int:
         precision=args.precision,
         clip_grad_norm=args.clip,
         progress=not args.quiet,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
     )
     extra = {"seed": args.seed, "learning_rate": args.lr, "data_examples": len(examples),
              "optimizer": "AdamW", "model": "TinyGPT"}
@@ -314,6 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{RUNS_DIR}/train-YYYYMMDD-HHMMSS.json); checked before training")
     t.add_argument("--force", action="store_true", help="overwrite an existing record")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help=f"write checkpoints to DIR (e.g. {RUNS_DIR}/ckpt): after every "
+                        "--checkpoint-every update attempts and after the last one")
+    t.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="update attempts between checkpoints (needs --checkpoint-dir)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint-dir (fresh start "
+                        "when there is none); --updates then counts the whole run")
     t.set_defaults(run=_train)
     return parser
 

@@ -183,3 +183,43 @@ def test_command_line_error_is_one_line_without_traceback(tmp_path):
     )
     assert result.returncode == 1
     assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+# --- checkpoints and resume (issue 10) ----------------------------------------------------
+
+
+def test_train_resumes_from_its_checkpoint_to_the_straight_runs_record(tmp_path, capsys):
+    """Stopped after 3 update attempts (as a kill would leave it), the same command with
+    --resume ends with the record of the run trained straight through to 5."""
+    common = ["train", "--micro", "2", "--steps", "2", "--examples", "24", "--quiet"]
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1", "--resume"]
+    assert main([*common, "--updates", "5", "--record", str(tmp_path / "straight.json")]) == 0
+    assert main([*common, "--updates", "3", *ckpt]) == 0
+    assert "no checkpoint in" in capsys.readouterr().out
+    assert main([*common, "--updates", "5", *ckpt, "--record", str(tmp_path / "resumed.json")]) == 0
+    assert "resuming from " + str(tmp_path / "ckpt" / "checkpoint-00000003-rank0.pt") in capsys.readouterr().out
+    straight = json.loads((tmp_path / "straight.json").read_text())
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert resumed["update_attempts"] == 5
+    assert resumed == straight
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--checkpoint-every", "2"], "--checkpoint-every and --resume need --checkpoint-dir"),
+        (["--resume"], "--checkpoint-every and --resume need --checkpoint-dir"),
+        (["--checkpoint-dir", ""], "checkpoint_dir is an empty path"),
+        (["--checkpoint-dir", "x", "--checkpoint-every", "0"], "checkpoint_every must be at least 1"),
+    ],
+)
+def test_checkpoint_flags_are_checked_before_training(flags, message, capsys, no_training):
+    assert main([*TINY, *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_a_used_checkpoint_dir_needs_resume(tmp_path, capsys, no_training):
+    (tmp_path / "checkpoint-00000004-rank0.pt").write_bytes(b"")
+    assert main([*TINY, "--checkpoint-dir", str(tmp_path)]) == 2
+    assert "already holds checkpoints; add --resume" in capsys.readouterr().err
