@@ -29,6 +29,13 @@ def run(path: Path, timeout: int = 900) -> float:
     client.widget_registry = {}  # nbval does not emulate Output widgets; neither do we
     start = time.perf_counter()
     client.execute()
+    # Save the kernel under the name ipykernel installs, so JupyterLab opening the notebook
+    # finds nothing to update and leaves the committed file as it is.
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3 (ipykernel)",
+        "language": "python",
+    }
     nbformat.write(nb, path)
     return time.perf_counter() - start
 
