@@ -146,6 +146,18 @@ def test_resume_without_a_checkpoint_starts_fresh(tmp_path: Path) -> None:
     assert checkpoint.list_checkpoints(tmp_path / "new") == [4]  # written after the last attempt
 
 
+def test_resume_skips_the_trained_windows_without_a_forward_pass(tmp_path: Path) -> None:
+    config = workers.Config()  # 8 microbatches, A=2: 4 windows
+    first = workers.build(config)
+    workers.train(first, config, max_updates=3, checkpoint_dir=tmp_path)
+    second = workers.build(config)
+    forwards = []
+    second["model"].register_forward_pre_hook(lambda module, args: forwards.append(1))
+    ledger = workers.train(second, config, checkpoint_dir=tmp_path, resume=True)
+    assert len(forwards) == 2  # window 3's two microbatches only
+    assert (ledger.loader_batches, ledger.microbatches, ledger.update_attempts) == (8, 8, 4)
+
+
 def test_a_loader_with_its_own_state_is_restored_not_skipped(tmp_path: Path) -> None:
     config = workers.Config()
     straight = workers.build(config)
@@ -210,6 +222,7 @@ def test_checkpoint_arguments_are_checked_before_any_data_is_read(tmp_path: Path
         ({"checkpoint_dir": tmp_path, "resume": "yes"}, TypeError, "resume must be True or False"),
         ({"checkpoint_dir": ""}, ValueError, "empty path"),
         ({"checkpoint_dir": 3}, TypeError, "checkpoint_dir must be a path"),
+        ({"checkpoint_dir": Path(__file__)}, ValueError, "is a file, not a directory"),
     ]
     for kwargs, error, message in cases:
         with pytest.raises(error, match=message):
