@@ -400,7 +400,8 @@ class Checkpointer:
         self.halvings = int(state["oom_halvings"])
         data = state["data"]
         self._windows_done = int(data["windows"])
-        if data["loader"] is not None and self.world_size == 1:
+        restorable = callable(getattr(self.batches, "load_state_dict", None))
+        if data["loader"] is not None and self.world_size == 1 and restorable:
             self.batches.load_state_dict(data["loader"])  # type: ignore[attr-defined]
         else:
             self._skip, self._position = self._windows_done, int(data["microbatches"])

@@ -172,6 +172,18 @@ def test_a_loader_with_its_own_state_is_restored_not_skipped(tmp_path: Path) -> 
     assert workers.mismatches(expected, workers.snapshot(second, ledger)) == []
 
 
+def test_a_stateful_loaders_checkpoint_resumes_a_plain_list_by_skipping(tmp_path: Path) -> None:
+    config = workers.Config()
+    straight = workers.build(config)
+    expected = workers.snapshot(straight, workers.train(straight, config))
+    first = workers.build(config)
+    workers.train(first, config, workers.StatefulBatches(first["data"]), max_updates=3,
+                  checkpoint_dir=tmp_path)  # fmt: skip
+    second = workers.build(config)
+    ledger = workers.train(second, config, checkpoint_dir=tmp_path, resume=True)  # a list
+    assert workers.mismatches(expected, workers.snapshot(second, ledger)) == []
+
+
 def test_resume_refuses_other_data(tmp_path: Path) -> None:
     config = workers.Config()
     run = workers.build(config)
