@@ -17,24 +17,20 @@ from .checks import (
     compare,
     compare_gradients,
     gradients,
+    gradients_finite,
+    inject_nonfinite,
     split_batch,
 )
 from .distributed import ExampleIdCheck, check_example_ids, launch
 from .driver import train
-from .ledger import Ledger, RunRecord, UpdateReport
+from .ledger import Ledger, RunRecord, scaler_settings
 from .loop import accumulate, train_window
-from .memory import CannotShrinkError, MemoryMeter
+from .memory import MemoryMeter
 from .objectives import ExampleLoss, NextTokenLoss, Objective
+from .oom import CannotShrinkError
 from .plan import AccumulationPlan, Window, data_parallel_size
-from .precision import (
-    PRECISIONS,
-    PrecisionPolicy,
-    gradients_finite,
-    inject_nonfinite,
-    precision_policy,
-    resolve_scaler,
-    scaler_settings,
-)
+from .precision import PRECISIONS, PrecisionPolicy, precision_policy, resolve_scaler
+from .report import UpdateReport
 
 __version__ = "0.1.0"
 

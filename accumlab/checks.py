@@ -7,12 +7,14 @@ of this course.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import inspect
+import math
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .loop import Forward, accumulate
-from .objectives import NextTokenLoss, Objective, check_batch
+from .objectives import NextTokenLoss, Objective, check_batch, take_rows
 
 
 def split_batch(batch: Mapping[str, Tensor], sizes: Sequence[int]) -> list[dict[str, Tensor]]:
@@ -46,11 +48,8 @@ def split_batch(batch: Mapping[str, Tensor], sizes: Sequence[int]) -> list[dict[
                 f"batch[{key!r}] has shape {tuple(value.shape)}; every tensor needs the "
                 f"batch size {n} as its first dimension"
             )
-    pieces, start = [], 0
-    for size in sizes:
-        pieces.append({k: v[start : start + size] for k, v in batch.items()})
-        start += size
-    return pieces
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [take_rows(batch, start, start + size) for start, size in zip(starts, sizes, strict=True)]
 
 
 def gradients(model: nn.Module) -> dict[str, Tensor]:
@@ -112,38 +111,91 @@ def compare(reference: Mapping[str, Tensor], candidate: Mapping[str, Tensor]) ->
     return GradientComparison(max_abs, relative)
 
 
-def full_batch_gradient(
-    model: nn.Module,
-    batch: Mapping[str, Tensor],
-    objective: Objective,
-    *,
-    forward: Forward | None = None,
-) -> dict[str, Tensor]:
-    """The gradient of ``loss_sum(batch) / count(batch)`` in one backward pass.
+# -- finiteness: checks and a fault injector for tests and notebooks -------------------
 
-    Works on the model in place (its ``.grad`` is cleared before and after).
+
+def gradients_finite(parameters: Iterable[Tensor]) -> bool:
+    """True when every existing ``.grad`` among ``parameters`` is free of inf and nan.
+
+    Checks each gradient tensor element-wise (``torch.isfinite(grad).all()``), so it never
+    reports a finite gradient as non-finite the way ``isfinite(total norm)`` can: the sum
+    of squares of finite float32 values above about 1.8e19 overflows to ``inf``. Parameters
+    without a gradient are ignored; with none at all the answer is True. One device
+    synchronization per call.
     """
-    model.zero_grad(set_to_none=True)
-    accumulate(model, [batch], objective, forward=forward)
-    grads = gradients(model)
-    model.zero_grad(set_to_none=True)
-    return grads
+    flags = [
+        torch.isfinite(p.grad.detach()).all()
+        for p in parameters
+        if p.grad is not None and p.grad.numel()
+    ]
+    if not flags:
+        return True
+    devices = {f.device for f in flags}
+    if len(devices) > 1:  # a model split over devices: gather the flags on the CPU
+        flags = [f.cpu() for f in flags]
+    return bool(torch.stack(flags).all())
+
+
+def parameters_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The model's parameters followed by any parameter the optimizer holds beyond them,
+    each once: the set whose gradients decide whether an update attempt may be applied."""
+    seen: set[int] = set()
+    out: list[Tensor] = []
+    candidates = [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]
+    for p in candidates:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+@contextlib.contextmanager
+def inject_nonfinite(parameter: Tensor, value: float = math.inf) -> Iterator[None]:
+    """Make every gradient that reaches ``parameter`` inside the block non-finite.
+
+    Registers a tensor hook that multiplies each incoming gradient contribution by
+    ``value`` (``inf`` by default; entries that were zero become ``nan``), and removes it
+    on exit. A fault injector for tests and demonstrations: wrap one window in it and that
+    window's update attempt must be skipped while every other window applies normally.
+    """
+    if not isinstance(parameter, Tensor) or not parameter.requires_grad:
+        raise TypeError(
+            "parameter must be a tensor that requires grad (e.g. a model parameter), got "
+            f"{type(parameter).__name__}"
+        )
+    if math.isfinite(value):
+        raise ValueError(f"value must be inf, -inf or nan, got {value!r}")
+    handle = parameter.register_hook(lambda grad: grad * value)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def accumulated_gradient(
     model: nn.Module,
     batch: Mapping[str, Tensor],
     objective: Objective,
-    splits: Sequence[int],
+    splits: Sequence[int] | None = None,
     *,
     forward: Forward | None = None,
 ) -> dict[str, Tensor]:
-    """The gradient the loop accumulates from ``batch`` cut into ``splits`` microbatches."""
+    """The gradient the loop accumulates from ``batch`` cut into microbatches of
+    ``splits`` examples; ``splits=None`` is the whole batch in one backward pass, the
+    gradient of ``loss_sum(batch) / count(batch)``.
+
+    Works on the model in place (its ``.grad`` is cleared before and after).
+    """
+    window = [batch] if splits is None else split_batch(batch, splits)
     model.zero_grad(set_to_none=True)
-    accumulate(model, split_batch(batch, splits), objective, forward=forward)
+    accumulate(model, window, objective, forward=forward)
     grads = gradients(model)
     model.zero_grad(set_to_none=True)
     return grads
+
+
+#: The full-batch reference: ``accumulated_gradient`` without ``splits``.
+full_batch_gradient = accumulated_gradient
 
 
 def compare_gradients(
@@ -161,7 +213,7 @@ def compare_gradients(
     Returns the per-parameter errors of the accumulated gradient relative to the full one.
     """
     rng = torch.get_rng_state()
-    reference = full_batch_gradient(copy.deepcopy(model), batch, objective, forward=forward)
+    reference = accumulated_gradient(copy.deepcopy(model), batch, objective, forward=forward)
     torch.set_rng_state(rng)
     candidate = accumulated_gradient(
         copy.deepcopy(model), batch, objective, splits, forward=forward

@@ -16,20 +16,23 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from . import checkpoint, distributed
-from .ledger import Ledger, UpdateReport
-from .loop import Forward, _examples, model_device, train_window
-from .objectives import Objective, check_batch, count_window
+from . import checkpoint
+from .distributed.alignment import aligned_windows, check_plan, gather_counts
+from .ledger import Ledger
+from .loop import Forward, model_device, train_window
+from .objectives import Objective, check_batch, count_examples, count_window
 from .oom import train_window_shrinking
+from .parallel import data_parallel_group, is_distributed
 from .plan import AccumulationPlan, check_positive_int
 from .precision import precision_policy, resolve_scaler, update_parameters
+from .report import UpdateReport
 
 
 def _progress(total: int | None, enabled: bool) -> Any:
     from tqdm.auto import tqdm
 
     # Every rank runs the same windows, so rank 0's bar speaks for all of them.
-    if distributed.is_distributed() and torch.distributed.get_rank() != 0:
+    if is_distributed() and torch.distributed.get_rank() != 0:
         enabled = False
     # Pass disable only to switch the bar off: left unset, TQDM_DISABLE=1 can still do it.
     options = {} if enabled else {"disable": True}
@@ -116,22 +119,39 @@ def _check_train_arguments(
 
 
 def _note_microbatch_sizes(
-    microbatches: Sequence[Mapping[str, Tensor]], first: int, plan: AccumulationPlan, ledger: Ledger
+    microbatches: Sequence[Mapping[str, Tensor]],
+    first: int,
+    plan: AccumulationPlan,
+    ledger: Ledger,
+    group: Any,
 ) -> None:
     """Raise if a loader microbatch holds more than ``m`` examples; keep the largest seen.
 
-    ``first`` is the loader index of ``microbatches[0]``, for the message.
+    ``first`` is the loader index of ``microbatches[0]``, for the message. With a
+    data-parallel ``group`` the ranks first compare their largest (one small all-reduce,
+    in a window every rank trains on), so all of them raise together instead of leaving
+    the peers of the offending rank waiting in the window's collectives until the
+    process-group timeout.
     """
-    for i, microbatch in enumerate(microbatches):
-        examples = _examples(check_batch(microbatch, f"microbatch {first + i}"))
-        if examples > plan.micro_batch_size:
-            raise ValueError(
-                f"microbatch {first + i} has {examples} examples, more than the plan's "
-                f"micro_batch_size={plan.micro_batch_size}; the effective batch "
-                f"{plan.effective_batch_size} would be wrong. Make the loader's batch size "
-                "the plan's micro_batch_size, or build the plan from the loader's"
-            )
-        ledger.largest_microbatch = max(ledger.largest_microbatch, examples)
+    sizes = [
+        count_examples(check_batch(mb, f"microbatch {first + i}")) for i, mb in enumerate(microbatches)
+    ]
+    largest = max(sizes, default=0)
+    per_rank = [row[0] for row in gather_counts([largest], group)] if group is not None else [largest]
+    m = plan.micro_batch_size
+    if max(per_rank) > m:
+        if largest > m:
+            i = next(k for k, n in enumerate(sizes) if n > m)
+            where = f"microbatch {first + i} has {sizes[i]} examples"
+        else:
+            rank = next(r for r, n in enumerate(per_rank) if n > m)
+            where = f"a microbatch of data-parallel rank {rank} has {per_rank[rank]} examples"
+        raise ValueError(
+            f"{where}, more than the plan's micro_batch_size={m}; the effective batch "
+            f"{plan.effective_batch_size} would be wrong. Make the loader's batch size "
+            "the plan's micro_batch_size, or build the plan from the loader's"
+        )
+    ledger.largest_microbatch = max(ledger.largest_microbatch, largest)
 
 
 def train(
@@ -214,7 +234,7 @@ def train(
         },
     )
     checkpoint.check_arguments(checkpoint_dir, checkpoint_every, resume)
-    distributed.check_replicas(model, plan)  # plan.data_parallel_size must be the model's D
+    check_plan(plan, model)  # the same plan on every rank, and plan.data_parallel_size is D
     update_parameters(model, optimizer)  # the optimizer must hold some trainable parameter
     # Check precision and scaler before reading any data. fp16 without a scaler gets one
     # GradScaler for the whole run, so the scale and its growth count carry across windows.
@@ -241,15 +261,17 @@ def train(
         bar.update(ledger.update_attempts)  # those of the run this one resumes
         # Under data parallelism every rank gets the same number of windows and of
         # microbatches per window, padded with zero-target microbatches where it has fewer.
-        group = distributed.data_parallel_group(model)
-        windows = distributed.aligned_windows(plan, batches, objective, group)
+        group = data_parallel_group(model)
+        windows = aligned_windows(plan, batches, objective, group)
         for window in ckpt.windows(windows, max_updates):  # after those already trained on
             real = window.microbatches[: len(window.microbatches) - window.padding]
-            _note_microbatch_sizes([*real, *window.dropped], ledger.loader_batches, plan, ledger)
+            # Only windows that every rank trains on are aligned: compare sizes there.
+            peers = group if window.microbatches else None
+            _note_microbatch_sizes([*real, *window.dropped], ledger.loader_batches, plan, ledger, peers)
             ledger.loader_batches += window.loader_batches
             if window.dropped:
                 counts = count_window(objective, window.dropped)
-                ledger.record_dropped(sum(_examples(mb) for mb in window.dropped), sum(counts))
+                ledger.record_dropped(sum(count_examples(mb) for mb in window.dropped), sum(counts))
             if not window.microbatches:
                 continue
 

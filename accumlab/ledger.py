@@ -10,45 +10,17 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from .distributed.alignment import gather_counts
+from .parallel import is_distributed, local_device
 from .plan import AccumulationPlan
-from .precision import PRECISIONS, scaler_settings
-
-if TYPE_CHECKING:
-    import torch
-
-
-@dataclass
-class UpdateReport:
-    """What one window did. Counts are this replica's; ``global_targets`` is the window's
-    denominator summed over all replicas.
-
-    ``loss`` is the window's mean loss per unit on this replica (``loss_sum / targets``,
-    ``nan`` when it had none). ``grad_norm`` is the L2 norm of the combined, unscaled
-    gradient before clipping. ``skipped_reason`` is ``None`` for an applied update,
-    ``"no targets"`` or ``"non-finite gradient"`` otherwise. ``padding_microbatches``
-    counts the zero-target microbatches (included in ``microbatches``) a data-parallel
-    rank ran so that it synchronizes at the same index as its peers.
-    """
-
-    index: int
-    applied: bool
-    examples: int
-    targets: int
-    global_targets: int
-    microbatches: int
-    backward_passes: int
-    loss: float
-    loss_sum: float
-    grad_norm: float
-    lr: float | None = None
-    scale_before: float | None = None
-    scale_after: float | None = None
-    skipped_reason: str | None = None
-    replicas: int = 1
-    padding_microbatches: int = 0
+from .precision import PRECISIONS
+from .report import UpdateReport
 
 
 @dataclass
@@ -67,7 +39,7 @@ class Ledger:
 
     ``settings`` is what the run used, as plain data, filled by ``train`` through
     :meth:`note_settings` (empty for a ledger built by hand): ``precision``, ``scaler``
-    (``precision.scaler_settings``: its configuration, the initial and the final scale),
+    (:func:`scaler_settings`: its configuration, the initial and the final scale),
     ``clip_grad_norm``, ``optimizer`` (the class name) and ``unit`` (the objective's).
     ``RunRecord.from_run`` reads it; the learning rates and gradient norms it records come
     from ``reports``. ``state_dict``/``load_state_dict`` save and restore the whole ledger
@@ -189,6 +161,113 @@ class Ledger:
         )
 
 
+def scaler_settings(scaler: torch.amp.GradScaler | None) -> dict[str, Any] | None:
+    """A GradScaler's configuration and current scale, for the run record.
+
+    Returns ``None`` for no scaler, ``{"enabled": False}`` for a disabled one, else
+    ``enabled``, ``device``, ``init_scale``, ``scale`` (now), ``growth_factor``, ``backoff_factor`` and
+    ``growth_interval`` (in applied updates). Raises ``TypeError`` for anything else.
+    """
+    if scaler is None:
+        return None
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(
+            f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}"
+        )
+    if not scaler.is_enabled():
+        return {"enabled": False}
+    init_scale = getattr(scaler, "_init_scale", None)  # no public getter in torch.amp
+    return {
+        "enabled": True,
+        "device": str(getattr(scaler, "_device", "")),
+        "init_scale": None if init_scale is None else float(init_scale),
+        "scale": float(scaler.get_scale()),
+        "growth_factor": float(scaler.get_growth_factor()),
+        "backoff_factor": float(scaler.get_backoff_factor()),
+        "growth_interval": int(scaler.get_growth_interval()),
+    }
+
+
+#: Ledger counts that are the same on every aligned rank (a sum would multiply them by
+#: the world size) and the one that is a maximum; every other ``int`` field of ``Ledger``
+#: is a count that adds up over ranks.
+_SAME_ON_EVERY_RANK = ("update_attempts", "updates_applied", "updates_skipped")
+_LARGEST = "largest_microbatch"
+#: The counts of one ``UpdateReport`` that add up over ranks.
+_REPORT_COUNTS = ("examples", "targets", "microbatches", "backward_passes", "padding_microbatches")
+
+
+def summed_counts() -> list[str]:
+    """The ``Ledger`` fields that add up over ranks, in field order: every ``int`` field but
+    the attempt counts (the same on every aligned rank) and ``largest_microbatch`` (a max)."""
+    return [
+        f.name
+        for f in fields(Ledger)
+        if f.type == "int" and f.name not in (*_SAME_ON_EVERY_RANK, _LARGEST)
+    ]
+
+
+def reduce_ledger(ledger: Ledger, group: Any = None) -> Ledger:
+    """The ledger summed over the ranks of ``group``, the model's data-parallel group
+    (``parallel.data_parallel_group``; ``None``: the world) (collective).
+
+    Examples, targets, microbatches, backward passes, loader batches, padding and dropped
+    counts are summed (:func:`summed_counts`); update attempts/applied/skipped are the
+    same on every aligned rank and kept; ``largest_microbatch`` is the largest on any rank. Each report's counts and ``loss_sum`` are summed too, so its ``loss``
+    becomes the window's mean over all ranks. Without a multi-rank group, returns
+    ``ledger`` itself. Raises ``ValueError`` (on every rank) when the ranks made different
+    numbers of update attempts (they were not aligned).
+    """
+    if not isinstance(ledger, Ledger):
+        raise TypeError(f"ledger must be a Ledger, got {type(ledger).__name__}")
+    if not is_distributed():
+        return ledger
+    rows = gather_counts([len(ledger.reports), ledger.largest_microbatch], group)
+    attempts = [row[0] for row in rows]
+    if len(set(attempts)) > 1:
+        raise ValueError(
+            f"ranks made different numbers of update attempts {attempts}; train with "
+            "accumlab.train (it aligns ranks) before summing their ledgers"
+        )
+    names = summed_counts()
+    values = [float(getattr(ledger, name)) for name in names]
+    for report in ledger.reports:
+        values.extend(float(getattr(report, name)) for name in _REPORT_COUNTS)
+        values.append(report.loss_sum)
+    summed = torch.tensor(values, dtype=torch.float64, device=local_device())
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+    totals = summed.cpu().tolist()
+    head, rest = totals[: len(names)], totals[len(names) :]
+    width = len(_REPORT_COUNTS) + 1
+    reports = []
+    for k, report in enumerate(ledger.reports):
+        row = rest[k * width : (k + 1) * width]
+        counts = {name: int(round(v)) for name, v in zip(_REPORT_COUNTS, row, strict=False)}
+        loss_sum = row[-1]
+        loss = loss_sum / counts["targets"] if counts["targets"] else float("nan")
+        reports.append(replace(report, loss_sum=loss_sum, loss=loss, **counts))
+    return replace(
+        ledger,
+        reports=reports,
+        shrinks=list(ledger.shrinks),
+        largest_microbatch=max(row[1] for row in rows),
+        **{name: int(round(v)) for name, v in zip(names, head, strict=True)},
+    )
+
+
+def rank_totals(ledger: Ledger, group: Any = None) -> tuple[Ledger, dict[str, Any]]:
+    """``(reduce_ledger(ledger, group), per-rank fields)`` for ``RunRecord.from_run(...,
+    reduce_over_ranks=True)`` (collective). The fields: ``ranks``, ``examples_per_rank``,
+    ``targets_per_rank`` and ``padding_microbatches_per_rank``, in rank order."""
+    rows = gather_counts([ledger.examples, ledger.targets, ledger.padding_microbatches], group)
+    totals = {
+        "ranks": len(rows),
+        "examples_per_rank": [row[0] for row in rows],
+        "targets_per_rank": [row[1] for row in rows],
+        "padding_microbatches_per_rank": [row[2] for row in rows],
+    }
+    return reduce_ledger(ledger, group), totals
+
 def _plain_copy(value: Any, where: str) -> Any:
     """A deep copy of nested lists, tuples (as lists) and str-keyed dicts of ints, floats,
     strings, bools and None; ``TypeError`` naming ``where`` for anything else."""
@@ -265,7 +344,7 @@ class RunRecord:
     first_loss: float | None
     last_loss: float | None
     extra: dict[str, Any] = field(default_factory=dict)
-    # Precision details: the GradScaler's settings (precision.scaler_settings) and why
+    # Precision details: the GradScaler's settings (scaler_settings) and why
     # attempts were skipped; updates_skipped = skipped_nonfinite + skipped_no_targets.
     scaler: dict[str, Any] | None = None
     skipped_nonfinite: int = 0
@@ -290,6 +369,7 @@ class RunRecord:
         extra: dict[str, Any] | None = None,
         scaler: torch.amp.GradScaler | None = None,
         reduce_over_ranks: bool = False,
+        group: Any = None,
         meter: Any = None,
     ) -> RunRecord:
         """Collect the plan's sizes, the ledger's counts and what the run used.
@@ -305,9 +385,11 @@ class RunRecord:
 
         ``reduce_over_ranks=True`` (collective: every rank calls it) records the whole
         run: examples, targets, microbatches and the window losses summed over the ranks
-        of the process group (``distributed.reduce_ledger``), with the per-rank examples
-        and targets and the padding microbatches in ``extra``. A ledger is otherwise
-        this rank's own.
+        of ``group`` (:func:`reduce_ledger`), with the per-rank examples and targets and
+        the padding microbatches in ``extra``. ``group`` is the model's data-parallel
+        group, ``accumlab.parallel.data_parallel_group(model)``: under tensor or pipeline
+        parallelism the world holds ranks that share data; ``None`` means the world. A
+        ledger is otherwise this rank's own.
 
         ``meter``: a ``MemoryMeter`` (or a list of them, one per device) whose
         ``summary()`` goes into ``extra["memory"]`` keyed by device: the first window's
@@ -330,9 +412,7 @@ class RunRecord:
             raise ValueError(f"unit must be one of {sorted(NORMALIZATION)}, got {unit!r}")
         shrinks = [dict(s) for s in ledger.shrinks]  # this rank's, before any reduction
         if reduce_over_ranks:
-            from .distributed import rank_totals
-
-            ledger, totals = rank_totals(ledger)
+            ledger, totals = rank_totals(ledger, group)
             extra = {**totals, **(extra or {})}
         if meter is not None:
             meters = meter if isinstance(meter, (list, tuple)) else [meter]

@@ -3,9 +3,9 @@
 The rule, in one line: every microbatch backpropagates
 ``loss_sum(microbatch) × D / count(window, all replicas)`` and the optimizer steps once
 per window. ``accumulate`` does the backward passes; ``train_window`` adds the window
-boundary (unscale, clip, step, update the scale, clear, schedule). ``train``, which
-feeds it windows from an iterable of microbatches and keeps the ledger, is the driver
-above it, in ``accumlab.driver``.
+boundary (unscale, check, clip, step, update the scale, clear, schedule). ``train`` is
+the driver above it (``accumlab.driver``). This module imports only the core: copy it
+with ``objectives``, ``precision``, ``report`` and ``parallel``.
 """
 
 from __future__ import annotations
@@ -20,10 +20,15 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from . import distributed
-from .ledger import UpdateReport
-from .objectives import Objective, count_window, upcast
-from .oom import PartialUpdateError
+from .objectives import Objective, count_examples, count_window, upcast
+from .parallel import (
+    any_rank,
+    check_replicas,
+    data_parallel_group,
+    global_count,
+    gradient_sync,
+    replicas_of,
+)
 from .precision import (
     PrecisionPolicy,
     mark_skipped,
@@ -32,6 +37,7 @@ from .precision import (
     total_grad_norm,
     update_parameters,
 )
+from .report import UpdateReport
 
 Forward = Callable[[nn.Module, Mapping[str, Tensor]], Any]
 NOT_MODEL_INPUTS = frozenset({"labels", "example_ids"})
@@ -59,20 +65,18 @@ def to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
 
 
 def _phase(meter: Any, name: str, microbatch: int | None = None) -> Any:
+    """``meter.phase(name, microbatch)`` (a ``MemoryMeter``, or anything with that method)."""
     return contextlib.nullcontext() if meter is None else meter.phase(name, microbatch)
-
-
-def _examples(batch: Mapping[str, Tensor]) -> int:
-    return distributed.count_examples(batch)  # rows, less data-parallel padding rows
 
 
 @dataclass
 class Accumulated:
-    """What ``accumulate`` leaves besides the gradients in ``.grad``: counts and loss sum."""
+    """What ``accumulate`` leaves besides the gradients in ``.grad``: the per-microbatch
+    unit counts, their sum over the ``data_parallel_size`` replicas, the loss sum."""
 
     counts: list[int]
     global_count: int
-    replicas: int
+    data_parallel_size: int
     loss_sum: float
     backward_passes: int
 
@@ -89,13 +93,12 @@ def accumulate(
 ) -> Accumulated:
     """Backpropagate one window into ``.grad`` (added to what is there; clear it first).
 
-    Each microbatch backpropagates ``loss_sum × D / global_count`` where ``global_count``
+    Each microbatch backpropagates ``loss_sum × D / global_count``, where ``global_count``
     is the window's unit count summed over the ``D`` replicas, counted on CPU before any
     forward pass. All but the last microbatch run forward and backward without gradient
-    synchronization, so a DDP/FSDP2 model syncs once per window. With a scaler, each
-    loss is multiplied by the scale, which is the same for the whole window. No graph,
-    output or loss tensor outlives its microbatch. A window whose global count is zero
-    runs no forward pass at all.
+    synchronization, so a DDP/FSDP2 model syncs once per window. With a scaler each loss
+    is multiplied by the scale, the same for the whole window. No graph, output or loss
+    tensor outlives its microbatch. A window whose global count is zero runs no forward.
     """
     microbatches = list(window)
     if not microbatches:
@@ -104,37 +107,25 @@ def accumulate(
     counts = count_window(objective, microbatches)
     device = model_device(model)
     policy = precision_policy(precision, device)
-    replicas = distributed.replicas_of(model)
-    group = distributed.data_parallel_group(model)
-    total = distributed.global_count(sum(counts), replicas, device, group)
+    d = replicas_of(model)
+    total = global_count(sum(counts), d, device, data_parallel_group(model))
     if total == 0:
-        return Accumulated(counts, 0, replicas, 0.0, 0)
+        return Accumulated(counts, 0, d, 0.0, 0)
 
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     last = len(microbatches) - 1
     for i, microbatch in enumerate(microbatches):
         microbatch = to_device(microbatch, device)
-        with distributed.gradient_sync(model, enabled=i == last):
+        with gradient_sync(model, enabled=i == last):
             with _phase(meter, "forward", i), policy.autocast():
                 output = forward(model, microbatch)
                 part = objective.loss_sum(output, microbatch)
-            loss = upcast(part) * (replicas / total)  # float64 models keep float64
+            loss = upcast(part) * (d / total)  # float64 models keep float64
             with _phase(meter, "backward", i):
                 (scaler.scale(loss) if scaler is not None else loss).backward()
-        loss_sum = loss_sum + upcast(part.detach())  # promotes to float64 for float64 models
+        loss_sum = loss_sum + upcast(part.detach())
         del output, part, loss  # nothing of this microbatch's graph survives the loop
-    return Accumulated(counts, total, replicas, float(loss_sum), len(microbatches))
-
-
-def grad_norm(parameters: Iterable[nn.Parameter]) -> float:
-    """L2 norm of all gradients together; finite exactly when every entry is (a float64
-    fallback catches the overflow of large finite entries; see
-    ``precision.total_grad_norm``). A collective for FSDP2's sharded gradients."""
-    return float(total_grad_norm(parameters))
-
-
-def _lr(optimizer: torch.optim.Optimizer) -> float:
-    return float(optimizer.param_groups[0]["lr"])
+    return Accumulated(counts, total, d, float(loss_sum), len(microbatches))
 
 
 def train_window(
@@ -155,87 +146,92 @@ def train_window(
 ) -> UpdateReport:
     """Exactly one update attempt from one window of microbatches.
 
-    Order: clear gradients; ``accumulate`` (one backward pass per microbatch, each loss
-    divided by the window's unit count summed over replicas and, with a scaler, multiplied
-    by the scale, which is read when the window starts and is the same for all of its
-    microbatches); then at the boundary: ``scaler.unscale_`` once, after the last
-    contribution; check every gradient tensor for inf/nan; measure and, with
-    ``clip_grad_norm``, clip the combined unscaled gradient; ``scaler.step`` (or
-    ``optimizer.step`` without a scaler); ``scaler.update``; clear gradients; advance the
-    scheduler.
+    Clear the gradients; ``accumulate``; then at the boundary: ``scaler.unscale_`` once,
+    measure the total gradient norm (``precision.total_grad_norm``: finite exactly when
+    every entry is, global over FSDP2's shards) and decide once for all data-parallel
+    ranks whether it is finite; clip with ``clip_grad_norm``; step (``scaler.step`` or
+    ``optimizer.step``); ``scaler.update``; clear; advance the scheduler once per applied
+    update (``scheduler_per="applied"``) or per attempt (``"attempt"``).
 
-    ``precision`` is ``"fp32"``, ``"bf16"`` or ``"fp16"`` (see ``accumlab.precision``):
-    bf16 and fp16 run the forward under ``torch.autocast`` for the model's device type.
-    fp16 needs a ``torch.amp.GradScaler`` for that device; with ``scaler=None`` one is
-    created for this window alone (with a warning), so a caller running many windows
-    passes the same scaler to each (``train`` does) for the scale to carry over.
+    ``precision`` is ``"fp32"``, ``"bf16"`` or ``"fp16"`` (``accumlab.precision``). fp16
+    needs a GradScaler; without one a scaler for this window alone is made (with a
+    warning): pass the same scaler to every window (``train`` does).
 
-    Skipped attempts. An attempt is skipped, ``report.applied`` is False and the weights,
-    the optimizer state and the scheduler are left as they were, when the window has no
-    targets or when any gradient is non-finite after unscaling. The check is the total
-    gradient norm, computed once (``precision.total_grad_norm``: float64 where float32
-    overflows, so it is finite exactly when every entry is) and reused for clipping; it
-    does not trust the return value of ``scaler.step`` (``None`` whether or not the
-    optimizer ran). Under data parallelism the decision is taken once for all replicas
-    (FSDP2's norm covers every shard, and one all-reduce over the data-parallel group
-    settles the rest), so every rank applies or skips together. With a scaler a skipped attempt still
-    calls ``scaler.update()``, which multiplies the scale by its backoff factor;
-    ``report.scale_before`` and ``report.scale_after`` show it. Without a scaler (fp32,
-    bf16, or fp16 with a disabled scaler) a non-finite gradient skips the update
-    (``nonfinite="skip"``, the default) or raises ``FloatingPointError`` after clearing
-    the gradients (``nonfinite="raise"``); with a scaler, skipping is the scaler's normal
-    way of finding its scale, so ``nonfinite`` does not apply.
+    Skipped attempts leave the weights, the optimizer and (by default) the scheduler as
+    they were, with ``report.applied`` False: a window without targets, or a non-finite
+    gradient. With a scaler, a skip still calls ``scaler.update()``, which backs the scale
+    off (``report.scale_before``/``scale_after``). Without one, a non-finite gradient is
+    skipped (``nonfinite="skip"``) or raises ``FloatingPointError`` (``"raise"``).
 
-    The scheduler advances once per applied update (``scheduler_per="applied"``, the
-    default: the schedule counts updates that changed the weights, so a skipped attempt
-    does not shift it), or once per attempt, skipped or not (``scheduler_per="attempt"``,
-    the choice of loops that step the scheduler unconditionally).
-
-    The parameters. The update works on the parameters the optimizer holds. The model's
-    trainable parameters it does not hold get their gradients cleared every window and
-    are left out of the norm, the clipping and the check (one warning names them); an
-    optimizer holding none of them, or a model with none, is a ``ValueError`` before any
-    forward pass. Every gradient is cleared on the way out, also when an exception or a
-    ``KeyboardInterrupt`` stops the window half way. Out of memory inside
-    ``optimizer.step`` raises ``accumlab.oom.PartialUpdateError`` (a
-    ``torch.OutOfMemoryError``): the update was partly applied, restore a checkpoint.
+    The update works on the optimizer's parameters; the model's trainable parameters it
+    does not hold have their gradients cleared and are left out of the norm (one warning
+    names them). Every gradient is cleared on the way out, also when an exception stops
+    the window. Out of memory inside the step raises ``PartialUpdateError``.
     """
-    if clip_grad_norm is not None and not clip_grad_norm > 0:
-        raise ValueError(f"clip_grad_norm must be positive or None, got {clip_grad_norm!r}")
-    if nonfinite not in ("skip", "raise"):
-        raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
-    if scheduler_per not in ("applied", "attempt"):
-        raise ValueError(f"scheduler_per must be 'applied' or 'attempt', got {scheduler_per!r}")
-    distributed.check_replicas(model)  # a plain model in a multi-rank group is an error
-    stepped, orphans = update_parameters(model, optimizer)  # raises before any forward
+    stepped, orphans = _check_window(model, optimizer, clip_grad_norm, nonfinite, scheduler_per)
     scaler = _window_scaler(precision_policy(precision, model_device(model)), scaler)
-    scale_before = float(scaler.get_scale()) if scaler is not None else None
-    lr = _lr(optimizer)
-
     _clear_gradients(optimizer, orphans)
     try:
         acc = accumulate(
             model, window, objective, forward=forward, precision=precision, scaler=scaler,
             meter=meter,
         )  # fmt: skip
-        report = _new_report(index, window, acc, lr, scale_before)
-        if acc.global_count == 0:
-            report.skipped_reason = "no targets"
-            if scheduler is not None and scheduler_per == "attempt":
-                scheduler.step()  # an attempt, skipped or not
-            return report
-        with _phase(meter, "update"):
-            report.applied = _update(
-                model, optimizer, stepped, scaler, clip_grad_norm, nonfinite, report
-            )
+        report = _new_report(index, window, acc, optimizer, scaler)
+        if acc.global_count > 0:
+            with _phase(meter, "update"):
+                if scaler is not None:
+                    scaler.unscale_(optimizer)  # once, after the last contribution
+                norm = total_grad_norm(stepped)
+                report.grad_norm = float(norm)
+                nonfinite_somewhere = not math.isfinite(report.grad_norm)
+                report.applied = not any_rank(nonfinite_somewhere, data_parallel_group(model))
+                if report.applied and clip_grad_norm is not None:  # clipping inf makes nan
+                    torch.nn.utils.clip_grads_with_norm_(stepped, clip_grad_norm, norm)
+                del norm  # nothing but the parameters' state outlives the update phase
+                if report.applied:
+                    _step(optimizer, scaler, index)
+                if scaler is not None:
+                    _update_scale(scaler, optimizer, report)
+                elif not report.applied and nonfinite == "raise":
+                    raise FloatingPointError(
+                        f"non-finite gradient (norm {report.grad_norm}) in window {index}; "
+                        "the update was not applied"
+                    )
+            report.skipped_reason = None if report.applied else "non-finite gradient"
     finally:
-        # Also on an error or KeyboardInterrupt: a caller who catches it and goes on must
-        # not add this window's partial gradients to the next one.
-        _clear_gradients(optimizer, orphans)
-    report.skipped_reason = None if report.applied else "non-finite gradient"
+        _clear_gradients(optimizer, orphans)  # also on an error: none leaks into the next window
     if scheduler is not None and (report.applied or scheduler_per == "attempt"):
         scheduler.step()
     return report
+
+
+def grad_norm(parameters: Iterable[nn.Parameter]) -> float:
+    """L2 norm of all gradients together (``precision.total_grad_norm``, as a float)."""
+    return float(total_grad_norm(parameters))
+
+
+class PartialUpdateError(torch.OutOfMemoryError):
+    """Out of memory inside ``optimizer.step()``: some parameters and their optimizer
+    state were updated and others not. Neither a retry nor going on is sound: restore
+    the last checkpoint."""
+
+
+def _check_window(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    clip_grad_norm: float | None,
+    nonfinite: str,
+    scheduler_per: str,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Check ``train_window``'s arguments; return ``update_parameters(model, optimizer)``."""
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ValueError(f"clip_grad_norm must be positive or None, got {clip_grad_norm!r}")
+    if nonfinite not in ("skip", "raise"):
+        raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+    if scheduler_per not in ("applied", "attempt"):
+        raise ValueError(f"scheduler_per must be 'applied' or 'attempt', got {scheduler_per!r}")
+    check_replicas(model)  # a plain model in a multi-rank group is an error
+    return update_parameters(model, optimizer)
 
 
 def _window_scaler(
@@ -265,15 +261,16 @@ def _new_report(
     index: int,
     window: Sequence[Mapping[str, Tensor]],
     acc: Accumulated,
-    lr: float,
-    scale: float | None,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
 ) -> UpdateReport:
     """The report of a window before its update: counts and loss, nothing applied yet."""
     local = sum(acc.counts)
+    scale = float(scaler.get_scale()) if scaler is not None else None
     return UpdateReport(
         index=index,
         applied=False,
-        examples=sum(_examples(mb) for mb in window),
+        examples=sum(count_examples(mb) for mb in window),
         targets=local,
         global_targets=acc.global_count,
         microbatches=acc.backward_passes,
@@ -281,72 +278,21 @@ def _new_report(
         loss=acc.loss_sum / local if local else math.nan,
         loss_sum=acc.loss_sum,
         grad_norm=0.0,
-        lr=lr,
+        lr=float(optimizer.param_groups[0]["lr"]),
         scale_before=scale,
         scale_after=scale,
-        replicas=acc.replicas,
+        skipped_reason="no targets",
+        data_parallel_size=acc.data_parallel_size,
     )
 
 
-def _update(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    params: Sequence[Tensor],
-    scaler: torch.amp.GradScaler | None,
-    clip_grad_norm: float | None,
-    nonfinite: str,
-    report: UpdateReport,
-) -> bool:
-    """The window boundary: unscale, measure, decide, clip, step, update the scale.
-
-    Returns whether the update was applied; sets ``report.grad_norm`` and
-    ``report.scale_after``. The norm of ``params``' gradients is computed once
-    (``total_grad_norm``: finite exactly when every entry is, and global over FSDP2's
-    shards) and reused for clipping. The decision is then made the same on every
-    data-parallel rank (one small all-reduce when D > 1), so all of them step or skip
-    together and none enters the step's collectives alone.
-    """
-    if scaler is not None:
-        scaler.unscale_(optimizer)  # once, after the last contribution
-    norm = total_grad_norm(params)
-    report.grad_norm = float(norm)
-    nonfinite_anywhere = distributed.any_rank(
-        not math.isfinite(report.grad_norm), distributed.data_parallel_group(model)
-    )
-    finite = not nonfinite_anywhere
-    if finite and clip_grad_norm is not None:  # clipping inf/nan would make every entry nan
-        torch.nn.utils.clip_grads_with_norm_(params, clip_grad_norm, norm)
-    if scaler is not None:
-        # A finite unscaled gradient was finite when scaled, so the scaler agrees and
-        # steps; a non-finite one is never handed to scaler.step.
-        if finite:
-            _step(lambda: scaler.step(optimizer), report.index)
-        elif report.replicas > 1:
-            mark_skipped(scaler, optimizer)  # the inf may be in a peer's shard only
-        scaler.update()  # backs the scale off after a skipped attempt
-        report.scale_after = float(scaler.get_scale())
-        if not finite and not report.scale_after < report.scale_before:  # type: ignore[operator]
-            warnings.warn(
-                f"window {report.index}: the gradient was non-finite only after unscaling "
-                f"(scale {report.scale_before:g}); the update was skipped but the GradScaler "
-                "did not reduce its scale",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-    elif finite:
-        _step(optimizer.step, report.index)
-    elif nonfinite == "raise":
-        raise FloatingPointError(
-            f"non-finite gradient (norm {report.grad_norm}) in window {report.index}; "
-            "the update was not applied"
-        )
-    return finite
-
-
-def _step(step: Callable[[], Any], index: int) -> None:
-    """Run ``optimizer.step`` (or ``scaler.step``); out of memory there is not retryable."""
+def _step(
+    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, index: int
+) -> None:
+    """``scaler.step(optimizer)`` or ``optimizer.step()``; out of memory there is not
+    retryable (``PartialUpdateError``)."""
     try:
-        step()
+        scaler.step(optimizer) if scaler is not None else optimizer.step()
     except torch.OutOfMemoryError as exc:
         raise PartialUpdateError(
             f"window {index}: the update itself ran out of memory, inside optimizer.step(), "
@@ -356,3 +302,22 @@ def _step(step: Callable[[], Any], index: int) -> None:
             "microbatch cannot help, a lighter optimizer or sharded or offloaded optimizer "
             f"state can. The error was: {exc}"
         ) from exc
+
+
+def _update_scale(
+    scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, report: UpdateReport
+) -> None:
+    """``scaler.update()`` after the step, backing off after a skipped attempt also when
+    only a peer's shard held the inf; sets ``report.scale_after``."""
+    if not report.applied and report.data_parallel_size > 1:
+        mark_skipped(scaler, optimizer)  # the inf may be in a peer's shard only
+    scaler.update()
+    report.scale_after = float(scaler.get_scale())
+    if not report.applied and not report.scale_after < report.scale_before:  # type: ignore[operator]
+        warnings.warn(
+            f"window {report.index}: the gradient was non-finite only after unscaling "
+            f"(scale {report.scale_before:g}); the update was skipped but the GradScaler "
+            "did not reduce its scale",
+            RuntimeWarning,
+            stacklevel=3,
+        )

@@ -32,19 +32,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from . import distributed
-
 __all__ = [
-    "CannotShrinkError",
     "MemoryMeter",
-    "OOMGuard",
-    "PeerOutOfMemory",
     "PhaseRecord",
     "WindowRecord",
     "format_bytes",
@@ -132,20 +125,6 @@ class WindowRecord:
             "saved_bytes": self.saved_bytes,
             "phases": [asdict(p) for p in self.phases],
         }
-
-
-class CannotShrinkError(torch.OutOfMemoryError):
-    """An out-of-memory error that a smaller microbatch cannot fix (raised by
-    ``train(..., on_oom="shrink")``): one example does not fit, or the update itself
-    (weights, gradients and optimizer state) does not."""
-
-
-class PeerOutOfMemory(torch.OutOfMemoryError):
-    """Raised on a replica whose peer ran out of memory, so that all replicas retry together."""
-
-    def __init__(self, fatal: bool) -> None:
-        super().__init__("another data-parallel replica ran out of memory in this window")
-        self.fatal = fatal
 
 
 def _device_of(device: torch.device | str | int) -> torch.device:
@@ -658,86 +637,3 @@ def plot_breakdown(rows: Sequence[dict[str, Any]], ax: Any = None) -> Any:
     ax.set_ylabel("peak MiB")
     ax.legend(fontsize=8)
     return ax
-
-
-# -- out-of-memory agreement across replicas ---------------------------------------------------
-
-
-class OOMGuard:
-    """Wraps a meter for one update attempt under ``on_oom="shrink"``.
-
-    It remembers the phase each out-of-memory error came from (an error in the update
-    cannot be fixed by a smaller microbatch), and under DDP (``D > 1``) it makes the
-    replicas agree before every point where they would otherwise part ways: the last
-    microbatch's backward pass (DDP all-reduces gradients there), the last forward pass,
-    and every forward pass when DDP broadcasts buffers at each forward. A replica that ran
-    out of memory calls :meth:`agree` with ``oom=True`` instead of reaching its next
-    agreement point; the others meet it there, see the flag and stop with
-    ``PeerOutOfMemory``. Every replica then retries the window with the same plan, and no
-    rank waits on a collective the others skipped.
-
-    Cost: two or ``A + 1`` small all-reduces per window (none when ``D == 1``). Limits, where
-    :meth:`can_agree` is False and ``train`` raises instead: an error inside the last,
-    gradient-synchronizing backward pass (the peers' all-reduce is already under way), and
-    any error under FSDP2, whose forward and backward passes gather and scatter the
-    parameters as they go.
-    """
-
-    def __init__(self, inner: Any, model: nn.Module, microbatches: int) -> None:
-        self.inner = inner
-        self.replicas = distributed.replicas_of(model)
-        model = distributed.unwrap(model)  # torch.compile(ddp_model) is a DDP model too
-        self.ddp = isinstance(model, DistributedDataParallel)
-        self.group = getattr(model, "process_group", None) if self.ddp else None
-        broadcasts = getattr(model, "will_sync_module_buffers", None)
-        self.every_forward = self.ddp and bool(broadcasts() if callable(broadcasts) else True)
-        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self.last = microbatches - 1
-        self.where: tuple[str, int | None] | None = None
-        self.completed: set[tuple[str, int | None]] = set()
-
-    def _agrees_at(self, name: str, microbatch: int | None) -> bool:
-        if not self.ddp or self.replicas == 1 or name not in ("forward", "backward"):
-            return False
-        return microbatch == self.last or (name == "forward" and self.every_forward)
-
-    @contextlib.contextmanager
-    def phase(self, name: str, microbatch: int | None = None) -> Iterator[Any]:
-        """The inner meter's phase, preceded by an agreement where the replicas could part."""
-        if self._agrees_at(name, microbatch):
-            oom, fatal = self.agree(False, False)
-            if oom:
-                raise PeerOutOfMemory(fatal)
-        self.where = (name, microbatch)
-        inner = self.inner.phase(name, microbatch) if self.inner is not None else _null()
-        with inner as record:
-            yield record
-        self.completed.add((name, microbatch))
-
-    def agree(self, oom: bool, fatal: bool) -> tuple[bool, bool]:
-        """``(any replica ran out of memory, any replica cannot be helped by shrinking)``;
-        one all-reduce (MAX) when ``D > 1``, the local flags otherwise."""
-        if self.replicas == 1:
-            return oom, fatal
-        flags = torch.tensor([int(oom), int(fatal)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flags[0].item()), bool(flags[1].item())
-
-    def can_agree(self) -> bool:
-        """False when the replicas cannot meet at an agreement point after this error:
-        under FSDP2, or inside the last (gradient-synchronizing) backward pass of a DDP
-        window, whose all-reduce is already in flight on the other replicas."""
-        if self.replicas == 1:
-            return True
-        if not self.ddp:
-            return False
-        in_sync_backward = (
-            self.where == ("backward", self.last)
-            and ("backward", self.last) not in self.completed
-        )
-        return not in_sync_backward
-
-
-@contextlib.contextmanager
-def _null() -> Iterator[None]:
-    yield None

@@ -1,15 +1,12 @@
 """What a loss counts and what it sums.
 
 An objective answers two questions about a microbatch, and the loop needs both apart:
-
-- ``count(batch) -> int``: how many units (supervised tokens, or examples) it holds.
-  Runs on CPU tensors *before* the forward pass, so a window's denominator is known before
-  any gradient exists (and, under data parallelism, can be summed across replicas first).
-- ``loss_sum(output, batch) -> Tensor``: the *sum* of per-unit losses, a 0-d tensor.
-
-The window's loss is ``sum of loss_sum over its microbatches / sum of count``: a mean per
-unit over the whole window, whatever the split. Averaging per-microbatch means instead
-weights a unit in a short microbatch more than one in a long one (notebook 02).
+``count(batch) -> int``, the units (supervised tokens, or examples) it holds, on CPU
+*before* the forward pass (so the window's denominator, summed over replicas, is known
+before any gradient exists); and ``loss_sum(output, batch)``, the *sum* of per-unit
+losses, a 0-d tensor. The window's loss is ``sum of loss_sum / sum of count``, a mean per
+unit whatever the split; averaging per-microbatch means would weight a unit in a short
+microbatch more than one in a long one (notebook 02).
 """
 
 from __future__ import annotations
@@ -56,6 +53,33 @@ def check_batch(batch: object, name: str = "batch") -> Mapping[str, Tensor]:
         raise TypeError(f"{name}['labels'] must be a tensor, got {type(batch[LABELS]).__name__}")
     return batch
 
+
+PADDING_ID = -1  #: ``example_ids`` of a padding row (data-parallel alignment), never real
+
+
+def rows(batch: Mapping[str, Any]) -> int:
+    """Rows (examples) in a microbatch: the first dimension of ``labels`` (0 for a scalar)."""
+    labels = batch[LABELS]
+    return int(labels.shape[0]) if labels.dim() else 0
+
+
+def take_rows(batch: Mapping[str, Any], start: int, stop: int) -> dict[str, Any]:
+    """Rows ``start:stop`` of a microbatch: every tensor whose first dimension is the
+    batch's row count is sliced; anything else (a scalar, a shared table) is kept."""
+    n = rows(batch)
+    return {
+        k: v[start:stop] if isinstance(v, Tensor) and v.dim() and v.shape[0] == n else v
+        for k, v in batch.items()
+    }
+
+
+def count_examples(batch: Mapping[str, Any]) -> int:
+    """Examples in a microbatch: rows whose ``example_ids`` is not ``PADDING_ID`` (every
+    row when there are no ``example_ids``)."""
+    ids = batch.get("example_ids")
+    if isinstance(ids, Tensor) and ids.dim() == 1:
+        return int((ids != PADDING_ID).sum())
+    return rows(batch)
 
 def class_indices(labels: Tensor, name: str = "labels") -> Tensor:
     """Integer class labels as the int64 indices ``cross_entropy`` reads.

@@ -9,21 +9,22 @@ on_oom="shrink")`` uses it; the smaller size is kept for later windows.
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from . import distributed
-from .ledger import Ledger, UpdateReport
-from .memory import CannotShrinkError, OOMGuard, PeerOutOfMemory
-
-
-def _rows(batch: Mapping[str, Any]) -> int:
-    labels = batch["labels"]
-    return int(labels.shape[0]) if labels.dim() else 0
+from .distributed.alignment import is_padding
+from .ledger import Ledger
+from .loop import PartialUpdateError
+from .objectives import rows, take_rows
+from .parallel import replicas_of, unwrap
+from .report import UpdateReport
 
 
 def _halve(batch: Mapping[str, Any], keep_empty: bool) -> list[dict[str, Any]]:
@@ -33,28 +34,24 @@ def _halve(batch: Mapping[str, Any], keep_empty: bool) -> list[dict[str, Any]]:
     An empty half is dropped unless ``keep_empty`` (data parallelism: every rank must run
     the same number of microbatches, and a zero-row microbatch adds nothing).
     """
-    n = _rows(batch)
+    n = rows(batch)
     cut = (n + 1) // 2
-    halves = []
-    for start, stop in ((0, cut), (cut, n)):
-        if stop > start or keep_empty:
-            halves.append(
-                {
-                    k: v[start:stop] if isinstance(v, Tensor) and v.dim() and v.shape[0] == n else v
-                    for k, v in batch.items()
-                }
-            )
+    halves = [take_rows(batch, a, b) for a, b in ((0, cut), (cut, n)) if b > a or keep_empty]
     return halves or [dict(batch)]
 
 
-class PartialUpdateError(torch.OutOfMemoryError):
-    """Out of memory inside ``optimizer.step()``: the update was partly applied.
+class CannotShrinkError(torch.OutOfMemoryError):
+    """An out-of-memory error that a smaller microbatch cannot fix (raised by
+    ``train(..., on_oom="shrink")``): one example does not fit, or the update itself
+    (weights, gradients and optimizer state) does not."""
 
-    Optimizers update parameter by parameter (or group by group), so some weights and
-    their optimizer state already hold the new values while others do not. Neither a
-    retry (it would step the first ones twice) nor going on is sound: restore the last
-    checkpoint. A ``torch.OutOfMemoryError``, so code that catches those catches it too.
-    """
+
+class PeerOutOfMemory(torch.OutOfMemoryError):
+    """Raised on a replica whose peer ran out of memory, so that all replicas retry together."""
+
+    def __init__(self, fatal: bool) -> None:
+        super().__init__("another data-parallel replica ran out of memory in this window")
+        self.fatal = fatal
 
 
 def train_window_shrinking(
@@ -81,13 +78,13 @@ def train_window_shrinking(
     help either), or where the replicas cannot meet to agree (``OOMGuard.can_agree``:
     inside DDP's gradient-synchronizing backward pass, or under FSDP2).
     """
-    keep_empty = distributed.replicas_of(model) > 1
+    keep_empty = replicas_of(model) > 1
     pieces = list(microbatches)
     for _ in range(halvings):
         pieces = [half for mb in pieces for half in _halve(mb, keep_empty)]
     while True:
         guard = OOMGuard(meter, model, len(pieces))
-        biggest = max(_rows(p) for p in pieces)
+        biggest = max(rows(p) for p in pieces)
         problem = "this replica ran out of memory"
         try:
             report = attempt(pieces, guard)
@@ -124,7 +121,7 @@ def train_window_shrinking(
         else:
             oom, _ = guard.agree(False, False)
             if not oom:
-                report.padding_microbatches = sum(distributed.is_padding(p) for p in pieces)
+                report.padding_microbatches = sum(is_padding(p) for p in pieces)
                 return report, halvings
             # A peer failed after this replica's last agreement point, so this replica has
             # already stepped: retrying would apply the window twice here.
@@ -143,7 +140,7 @@ def train_window_shrinking(
             {
                 "update": ledger.update_attempts,
                 "old_micro_batch_size": biggest,
-                "new_micro_batch_size": max(_rows(p) for p in pieces),
+                "new_micro_batch_size": max(rows(p) for p in pieces),
                 "microbatches": len(pieces),
             }
         )
@@ -156,3 +153,83 @@ def _release_attempt(model: nn.Module, optimizer: torch.optim.Optimizer) -> None
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+class OOMGuard:
+    """Wraps a meter for one update attempt under ``on_oom="shrink"``.
+
+    It remembers the phase each out-of-memory error came from (an error in the update
+    cannot be fixed by a smaller microbatch), and under DDP (``D > 1``) it makes the
+    replicas agree before every point where they would otherwise part ways: the last
+    microbatch's backward pass (DDP all-reduces gradients there), the last forward pass,
+    and every forward pass when DDP broadcasts buffers at each forward. A replica that ran
+    out of memory calls :meth:`agree` with ``oom=True`` instead of reaching its next
+    agreement point; the others meet it there, see the flag and stop with
+    ``PeerOutOfMemory``. Every replica then retries the window with the same plan, and no
+    rank waits on a collective the others skipped.
+
+    Cost: two or ``A + 1`` small all-reduces per window (none when ``D == 1``). Limits, where
+    :meth:`can_agree` is False and ``train`` raises instead: an error inside the last,
+    gradient-synchronizing backward pass (the peers' all-reduce is already under way), and
+    any error under FSDP2, whose forward and backward passes gather and scatter the
+    parameters as they go.
+    """
+
+    def __init__(self, inner: Any, model: nn.Module, microbatches: int) -> None:
+        self.inner = inner
+        self.replicas = replicas_of(model)
+        model = unwrap(model)  # torch.compile(ddp_model) is a DDP model too
+        self.ddp = isinstance(model, DistributedDataParallel)
+        self.group = getattr(model, "process_group", None) if self.ddp else None
+        broadcasts = getattr(model, "will_sync_module_buffers", None)
+        self.every_forward = self.ddp and bool(broadcasts() if callable(broadcasts) else True)
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.last = microbatches - 1
+        self.where: tuple[str, int | None] | None = None
+        self.completed: set[tuple[str, int | None]] = set()
+
+    def _agrees_at(self, name: str, microbatch: int | None) -> bool:
+        if not self.ddp or self.replicas == 1 or name not in ("forward", "backward"):
+            return False
+        return microbatch == self.last or (name == "forward" and self.every_forward)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, microbatch: int | None = None) -> Iterator[Any]:
+        """The inner meter's phase, preceded by an agreement where the replicas could part."""
+        if self._agrees_at(name, microbatch):
+            oom, fatal = self.agree(False, False)
+            if oom:
+                raise PeerOutOfMemory(fatal)
+        self.where = (name, microbatch)
+        inner = self.inner.phase(name, microbatch) if self.inner is not None else _null()
+        with inner as record:
+            yield record
+        self.completed.add((name, microbatch))
+
+    def agree(self, oom: bool, fatal: bool) -> tuple[bool, bool]:
+        """``(any replica ran out of memory, any replica cannot be helped by shrinking)``;
+        one all-reduce (MAX) when ``D > 1``, the local flags otherwise."""
+        if self.replicas == 1:
+            return oom, fatal
+        flags = torch.tensor([int(oom), int(fatal)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flags[0].item()), bool(flags[1].item())
+
+    def can_agree(self) -> bool:
+        """False when the replicas cannot meet at an agreement point after this error:
+        under FSDP2, or inside the last (gradient-synchronizing) backward pass of a DDP
+        window, whose all-reduce is already in flight on the other replicas."""
+        if self.replicas == 1:
+            return True
+        if not self.ddp:
+            return False
+        in_sync_backward = (
+            self.where == ("backward", self.last)
+            and ("backward", self.last) not in self.completed
+        )
+        return not in_sync_backward
+
+
+@contextlib.contextmanager
+def _null() -> Iterator[None]:
+    yield None

@@ -1,35 +1,26 @@
-"""Precision policy: the autocast dtype of the forward, the GradScaler, and non-finite checks.
+"""Precision policy: the autocast dtype of the forward, the GradScaler, the finite check.
 
 - ``"fp32"``: no autocast, no scaler.
-- ``"bf16"``: forward under ``torch.autocast(device_type, dtype=torch.bfloat16)``. bf16 has
-  fp32's exponent range, so gradients do not underflow and no scaler is needed.
+- ``"bf16"``: forward under ``torch.autocast(device_type, dtype=torch.bfloat16)``; bf16
+  has fp32's exponent range, so gradients do not underflow and no scaler is needed.
 - ``"fp16"``: forward under autocast with ``torch.float16`` and a ``torch.amp.GradScaler``
-  for the model's device type, created when the caller passes none (a caller's scaler is
-  used as given). fp16's narrow range (smallest subnormal about 6e-8, largest value 65504)
-  makes small gradients underflow to zero unless the loss is multiplied by a scale first.
+  for the model's device type: fp16's narrow range (smallest subnormal about 6e-8,
+  largest value 65504) makes small gradients underflow unless the loss is scaled first.
 
-The device type comes from the model's parameters, so the same code runs on CPU and CUDA.
-The weights and the gradients the optimizer sees stay float32 in every policy: autocast
-only changes the dtype of the operations inside the forward.
-
-Within one accumulation window the scale is constant: it changes only in
-``scaler.update()``, which the loop calls once, at the window boundary. Whether an update
-attempt was skipped is decided by :func:`total_grad_norm` of the unscaled gradients, which
-is finite exactly when every entry is (float32's norm of large finite gradients overflows
-to ``inf``, so it falls back to float64 there), not by the return value of
-``scaler.step`` (the optimizer's own return value, ``None`` for built-in optimizers
-whether or not they ran). :func:`gradients_finite` checks tensor by tensor instead.
+The weights and the gradients the optimizer sees stay float32 in every policy. Within a
+window the scale is constant: it changes only in ``scaler.update()``, once per window.
+Whether an attempt is skipped is decided by :func:`total_grad_norm` of the unscaled
+gradients, finite exactly when every entry is, never by ``scaler.step``'s return value.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -121,18 +112,13 @@ def resolve_scaler(
 ) -> torch.amp.GradScaler | None:
     """The scaler the loop should use for one window.
 
-    - ``None`` under fp16: a new ``torch.amp.GradScaler(policy.device_type)`` with
-      PyTorch's defaults (initial scale 2**16, growth ×2 every 2000 applied updates,
-      backoff ×0.5 on a skipped one). A caller who runs many windows should create one
-      scaler and pass it to every window (``train`` does), so the scale carries over.
-    - ``None`` under fp32/bf16: ``None`` (no loss scaling).
-    - A caller's enabled scaler: returned as it is, under any policy (loss scaling is not
-      needed in fp32 or bf16, but it is harmless and the caller asked for it).
-    - A caller's disabled scaler: ``None``; under fp16 this warns (once per scaler) that
-      small gradients may underflow to zero.
-
-    Raises ``TypeError`` for anything but a ``torch.amp.GradScaler`` and ``ValueError`` for
-    a scaler built for another device type than the model's.
+    ``None`` under fp16 gives a new ``torch.amp.GradScaler(policy.device_type)`` with
+    PyTorch's defaults (scale 2**16, ×2 every 2000 applied updates, ×0.5 on a skip): to
+    carry the scale over, make one and pass it to every window (``train`` does). ``None``
+    under fp32/bf16 stays ``None``. A caller's enabled scaler is used under any policy; a
+    disabled one gives ``None`` (under fp16 with a warning, once per scaler: small
+    gradients may underflow). ``TypeError`` for anything but a ``torch.amp.GradScaler``,
+    ``ValueError`` for a scaler built for another device type than the model's.
     """
     if scaler is None:
         if policy.needs_scaler:
@@ -163,41 +149,6 @@ def resolve_scaler(
     return scaler
 
 
-def gradients_finite(parameters: Iterable[Tensor]) -> bool:
-    """True when every existing ``.grad`` among ``parameters`` is free of inf and nan.
-
-    Checks each gradient tensor element-wise (``torch.isfinite(grad).all()``), so it never
-    reports a finite gradient as non-finite the way ``isfinite(total norm)`` can: the sum
-    of squares of finite float32 values above about 1.8e19 overflows to ``inf``. Parameters
-    without a gradient are ignored; with none at all the answer is True. One device
-    synchronization per call.
-    """
-    flags = [
-        torch.isfinite(p.grad.detach()).all()
-        for p in parameters
-        if p.grad is not None and p.grad.numel()
-    ]
-    if not flags:
-        return True
-    devices = {f.device for f in flags}
-    if len(devices) > 1:  # a model split over devices: gather the flags on the CPU
-        flags = [f.cpu() for f in flags]
-    return bool(torch.stack(flags).all())
-
-
-def parameters_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    """The model's parameters followed by any parameter the optimizer holds beyond them,
-    each once: the set whose gradients decide whether an update attempt may be applied."""
-    seen: set[int] = set()
-    out: list[Tensor] = []
-    candidates = [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]
-    for p in candidates:
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
-
-
 # Optimizers already warned about holding only some of the model's trainable parameters.
 _WARNED_PARTIAL: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
@@ -207,15 +158,11 @@ def update_parameters(
 ) -> tuple[list[Tensor], list[Tensor]]:
     """``(stepped, orphans)``: the parameters one update attempt works on, and the rest.
 
-    ``stepped`` is every parameter the optimizer holds, each once: their gradients are
-    checked for inf/nan, measured, clipped and stepped. ``orphans`` are the model's
-    trainable parameters the optimizer does not hold: their gradients would never be
-    cleared by ``optimizer.zero_grad`` and would grow window after window, so the loop
-    clears them every window and leaves them out of the norm and the checks. The first
-    time an optimizer holds only some of them, a ``UserWarning`` names the others.
-
-    Raises ``ValueError`` when the model has no trainable parameter (nothing to train)
-    and when the optimizer holds none of them (every update would change nothing).
+    ``stepped``: every parameter the optimizer holds, once; their gradients are checked,
+    measured, clipped and stepped. ``orphans``: the model's trainable parameters it does
+    not hold, whose gradients ``optimizer.zero_grad`` would never clear; the loop clears
+    them every window (a ``UserWarning`` names them, once per optimizer). ``ValueError``
+    when the model has no trainable parameter or the optimizer holds none of them.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
@@ -261,13 +208,10 @@ def total_grad_norm(parameters: Iterable[Tensor]) -> Tensor:
     """The L2 norm of all existing gradients together, a 0-d tensor that is finite exactly
     when every gradient entry is finite.
 
-    Computed once with ``torch.nn.utils.get_total_norm`` in the gradients' dtype (one
-    kernel per device and dtype). When that overflows (the squares of finite float32
-    entries above about 1.8e19 sum to ``inf``) or is nan, it is recomputed in float64,
-    one tensor at a time, which no float32 or bf16 gradient can overflow: the result is
-    then ``inf``/``nan`` only if an entry is. Sharded gradients (FSDP2 DTensors) give the
-    norm over all shards, the same on every rank; computing it is then a collective, so
-    every rank of the group must call it. Zero when no parameter has a gradient.
+    ``torch.nn.utils.get_total_norm`` in the gradients' dtype; when that overflows (squares
+    of finite float32 entries above about 1.8e19 sum to ``inf``) or is nan, recomputed in
+    float64, which no float32 or bf16 gradient overflows. FSDP2's sharded gradients give
+    the norm over all shards (a collective: every rank calls it). Zero without gradients.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
@@ -294,53 +238,3 @@ def mark_skipped(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer)
     state = scaler._per_optimizer_states.get(id(optimizer), {})
     for found_inf in state.get("found_inf_per_device", {}).values():
         found_inf.fill_(1.0)
-
-
-@contextlib.contextmanager
-def inject_nonfinite(parameter: Tensor, value: float = math.inf) -> Iterator[None]:
-    """Make every gradient that reaches ``parameter`` inside the block non-finite.
-
-    Registers a tensor hook that multiplies each incoming gradient contribution by
-    ``value`` (``inf`` by default; entries that were zero become ``nan``), and removes it
-    on exit. A fault injector for tests and demonstrations: wrap one window in it and that
-    window's update attempt must be skipped while every other window applies normally.
-    """
-    if not isinstance(parameter, Tensor) or not parameter.requires_grad:
-        raise TypeError(
-            "parameter must be a tensor that requires grad (e.g. a model parameter), got "
-            f"{type(parameter).__name__}"
-        )
-    if math.isfinite(value):
-        raise ValueError(f"value must be inf, -inf or nan, got {value!r}")
-    handle = parameter.register_hook(lambda grad: grad * value)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-def scaler_settings(scaler: torch.amp.GradScaler | None) -> dict[str, Any] | None:
-    """A GradScaler's configuration and current scale, for the run record.
-
-    Returns ``None`` for no scaler, ``{"enabled": False}`` for a disabled one, else
-    ``enabled``, ``device``, ``init_scale``, ``scale`` (now), ``growth_factor``, ``backoff_factor`` and
-    ``growth_interval`` (in applied updates). Raises ``TypeError`` for anything else.
-    """
-    if scaler is None:
-        return None
-    if not isinstance(scaler, torch.amp.GradScaler):
-        raise TypeError(
-            f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}"
-        )
-    if not scaler.is_enabled():
-        return {"enabled": False}
-    init_scale = getattr(scaler, "_init_scale", None)  # no public getter in torch.amp
-    return {
-        "enabled": True,
-        "device": str(getattr(scaler, "_device", "")),
-        "init_scale": None if init_scale is None else float(init_scale),
-        "scale": float(scaler.get_scale()),
-        "growth_factor": float(scaler.get_growth_factor()),
-        "backoff_factor": float(scaler.get_backoff_factor()),
-        "growth_interval": int(scaler.get_growth_interval()),
-    }

@@ -205,7 +205,7 @@ def compiled_ddp(accumulation_steps: int) -> dict[str, Any]:
     expected = _reference(
         mlp(), [mb for r in range(world) for mb in regression_batches(a, 2, 20 + r)]
     )
-    return {"seen": optimizer.seen, "expected": expected, "replicas": ledger.reports[0].replicas}
+    return {"seen": optimizer.seen, "expected": expected, "replicas": ledger.reports[0].data_parallel_size}
 
 
 # ------------------------------------------------------------------ item 14c: plans

@@ -253,8 +253,8 @@ def _simulate(monkeypatch, per_rank_batches, plan, objective, lazy):
             assert rows[rank] == list(values)  # this rank reported what the peers see
             return rows
 
-        monkeypatch.setattr(ald, "is_distributed", lambda: True)
-        monkeypatch.setattr(ald, "gather_counts", fake_gather)
+        monkeypatch.setattr(ald.alignment, "is_distributed", lambda: True)
+        monkeypatch.setattr(ald.alignment, "gather_counts", fake_gather)
         batches = per_rank_batches[rank]
         views.append(list(ald.aligned_windows(plan, iter(batches) if lazy else batches, objective)))
     return views
@@ -294,16 +294,16 @@ def test_aligned_windows_stop_when_len_lies(monkeypatch):
             return super().__len__() + 2
 
     batches = Short(data.microbatches(data.load_examples(limit=3), 1))
-    monkeypatch.setattr(ald, "is_distributed", lambda: True)
-    monkeypatch.setattr(ald, "gather_counts", lambda values, group=None: [[5], [5]])
+    monkeypatch.setattr(ald.alignment, "is_distributed", lambda: True)
+    monkeypatch.setattr(ald.alignment, "gather_counts", lambda values, group=None: [[5], [5]])
     plan = al.AccumulationPlan(1, 2, data_parallel_size=2)
     with pytest.raises(RuntimeError, match="len"):
         list(ald.aligned_windows(plan, batches, al.NextTokenLoss()))
 
 
 def test_aligned_windows_refuse_a_rank_without_data(monkeypatch):
-    monkeypatch.setattr(ald, "is_distributed", lambda: True)
-    monkeypatch.setattr(ald, "gather_counts", lambda values, group=None: [[3], [0]])
+    monkeypatch.setattr(ald.alignment, "is_distributed", lambda: True)
+    monkeypatch.setattr(ald.alignment, "gather_counts", lambda values, group=None: [[3], [0]])
     batches = data.microbatches(data.load_examples(limit=3), 1)
     with pytest.raises(ValueError, match=r"rank\(s\) \[1\] have no microbatches"):
         list(ald.aligned_windows(al.AccumulationPlan(1, 2, 2), batches, al.NextTokenLoss()))

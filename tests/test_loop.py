@@ -122,7 +122,7 @@ def test_sums_2_and_18_over_8_targets_give_2_5() -> None:
     second = level_batch([[3, 3, 3, 3]] * 2, [[True, True, True, False]] * 2)  # 6, sum 18
     model = LevelLM()
     acc = al.accumulate(model, [first, second], al.NextTokenLoss())
-    assert acc.counts == [2, 6] and acc.global_count == 8 and acc.replicas == 1
+    assert acc.counts == [2, 6] and acc.global_count == 8 and acc.data_parallel_size == 1
     assert acc.backward_passes == 2
     assert acc.loss_sum == pytest.approx(20.0, rel=1e-12)
     assert acc.loss_sum / acc.global_count == pytest.approx(2.5, rel=1e-12)

@@ -22,7 +22,8 @@ import accumlab as al
 from accumlab.course.data import VOCAB_SIZE
 from accumlab.course.models import TinyGPT, count_parameters
 from accumlab.distributed import gather_counts, launch
-from accumlab.memory import CannotShrinkError, MemoryMeter, format_bytes
+from accumlab.memory import MemoryMeter, format_bytes
+from accumlab.oom import CannotShrinkError
 
 torch.set_num_threads(1)
 OBJECTIVE = al.NextTokenLoss()

@@ -27,7 +27,7 @@ from conftest import capture, params, rel_error, rows, small_gpt, token_batch, t
 from torch import Tensor, nn
 
 import accumlab as al
-from accumlab.precision import parameters_of
+from accumlab.checks import parameters_of
 
 FP16_RTOL = 5e-3
 BF16_RTOL = 3e-2

@@ -39,10 +39,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...checks import compare
+from ...checks import compare, inject_nonfinite
 from ...loop import accumulate
 from ...objectives import ExampleLoss
-from ...precision import inject_nonfinite
 from ..models import MLP
 from . import Exercise
 
