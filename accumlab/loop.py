@@ -170,8 +170,9 @@ def train_window(
     """
     stepped, orphans = _check_window(model, optimizer, clip_grad_norm, nonfinite, scheduler_per)
     scaler = _window_scaler(precision_policy(precision, model_device(model)), scaler)
-    _clear_gradients(optimizer, orphans)
+    _clear_gradients(optimizer, orphans)  # clear
     try:
+        # backward per microbatch, each loss_sum × D / global count
         acc = accumulate(
             model, window, objective, forward=forward, precision=precision, scaler=scaler,
             meter=meter,
@@ -179,18 +180,20 @@ def train_window(
         report = _new_report(index, window, acc, optimizer, scaler)
         if acc.global_count > 0:
             with _phase(meter, "update"):
-                if scaler is not None:
-                    scaler.unscale_(optimizer)  # once, after the last contribution
+                if scaler is not None:  # unscale, once, after the last contribution
+                    scaler.unscale_(optimizer)
+                # check: the norm is finite exactly when every entry is; one decision for
+                # every data-parallel rank, so all of them step or skip together
                 norm = total_grad_norm(stepped)
                 report.grad_norm = float(norm)
                 nonfinite_somewhere = not math.isfinite(report.grad_norm)
                 report.applied = not any_rank(nonfinite_somewhere, data_parallel_group(model))
-                if report.applied and clip_grad_norm is not None:  # clipping inf makes nan
+                if report.applied and clip_grad_norm is not None:  # clip (never an inf)
                     torch.nn.utils.clip_grads_with_norm_(stepped, clip_grad_norm, norm)
                 del norm  # nothing but the parameters' state outlives the update phase
-                if report.applied:
+                if report.applied:  # step
                     _step(optimizer, scaler, index)
-                if scaler is not None:
+                if scaler is not None:  # update the scale, backing off after a skip
                     _update_scale(scaler, optimizer, report)
                 elif not report.applied and nonfinite == "raise":
                     raise FloatingPointError(
@@ -199,9 +202,9 @@ def train_window(
                     )
             report.skipped_reason = None if report.applied else "non-finite gradient"
     finally:
-        _clear_gradients(optimizer, orphans)  # also on an error: none leaks into the next window
+        _clear_gradients(optimizer, orphans)  # clear, also on an error
     if scheduler is not None and (report.applied or scheduler_per == "attempt"):
-        scheduler.step()
+        scheduler.step()  # schedule
     return report
 
 

@@ -5,6 +5,11 @@ gradients, cuts every microbatch of the window in half and retries the *same* ex
 the window's unit count (the denominator) does not change, so neither does the gradient
 nor the number of updates. Only the number of backward passes grows. ``train(...,
 on_oom="shrink")`` uses it; the smaller size is kept for later windows.
+
+Under data parallelism the replicas must retry together: :class:`OOMGuard` makes them
+agree (one small all-reduce) before every point where one of them could otherwise wait
+alone in a collective, and after the window. It rides on the loop's ``meter`` argument
+(its ``phase`` calls mark where the window is), wrapping the caller's meter, if any.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .distributed.alignment import is_padding
 from .ledger import Ledger
-from .loop import PartialUpdateError
+from .loop import PartialUpdateError, model_device
 from .objectives import rows, take_rows
 from .parallel import replicas_of, unwrap
 from .report import UpdateReport
@@ -183,7 +188,7 @@ class OOMGuard:
         self.group = getattr(model, "process_group", None) if self.ddp else None
         broadcasts = getattr(model, "will_sync_module_buffers", None)
         self.every_forward = self.ddp and bool(broadcasts() if callable(broadcasts) else True)
-        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.device = model_device(model)
         self.last = microbatches - 1
         self.where: tuple[str, int | None] | None = None
         self.completed: set[tuple[str, int | None]] = set()

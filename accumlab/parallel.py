@@ -45,10 +45,9 @@ def _is_fsdp2(model: nn.Module) -> bool:
 
 
 def _fsdp2_group(model: nn.Module) -> Any:
-    """The group over every rank of ``fully_shard``'s device mesh: 1-D (FSDP) or 2-D (HSDP,
-    replicate × shard: both dimensions hold replicas). Read from FSDP2's state (no public
-    getter in torch 2.13), else from a 1-D DTensor mesh of the first parameter, else the
-    whole world."""
+    """The group over every rank of ``fully_shard``'s mesh, 1-D (FSDP) or 2-D (HSDP: both
+    dimensions hold replicas); from FSDP2's state (no public getter in torch 2.13), else a
+    1-D DTensor mesh of the first parameter, else the world."""
     mesh = None
     try:
         from torch.distributed.fsdp import fully_shard

@@ -43,12 +43,8 @@ _ALIASES = {
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """A validated precision for one device type.
-
-    ``name`` is ``"fp32"``, ``"bf16"`` or ``"fp16"``; ``device_type`` is a
-    ``torch.device`` type such as ``"cpu"`` or ``"cuda"``. Build it with
-    :func:`precision_policy`, which checks both.
-    """
+    """A validated precision (``"fp32"``, ``"bf16"`` or ``"fp16"``) for one device type
+    (``"cpu"``, ``"cuda"``, ...); build it with :func:`precision_policy`, which checks both."""
 
     name: str
     device_type: str
@@ -65,11 +61,8 @@ class PrecisionPolicy:
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
-        """Autocast for the forward pass and the loss, or nothing for fp32.
-
-        Run only the forward (and the loss) inside it; the backward pass runs outside and
-        follows the dtypes the forward chose.
-        """
+        """Autocast for the forward pass and the loss, or nothing for fp32; the backward
+        runs outside it and follows the dtypes the forward chose."""
         if self.autocast_dtype is None:
             yield
         else:

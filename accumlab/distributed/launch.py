@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..plan import check_positive_int
+
 T = TypeVar("T")
 
 #: Seconds a rank waits in a collective before the process group gives up (a peer that
@@ -222,8 +224,7 @@ def launch(
     workers); ``None`` waits for as long as the workers run.
     """
     _check_importable(fn)
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    check_positive_int("nprocs", nprocs)
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
     backend = backend or default_backend(nprocs)
