@@ -184,8 +184,7 @@ def train_window(
                     scaler.unscale_(optimizer)
                 # check: the norm is finite exactly when every entry is; one decision for
                 # every data-parallel rank, so all of them step or skip together
-                norm = total_grad_norm(stepped)
-                report.grad_norm = float(norm)
+                norm, report.grad_norm = total_grad_norm(stepped)
                 nonfinite_somewhere = not math.isfinite(report.grad_norm)
                 report.applied = not any_rank(nonfinite_somewhere, data_parallel_group(model))
                 if report.applied and clip_grad_norm is not None:  # clip (never an inf)
@@ -210,7 +209,7 @@ def train_window(
 
 def grad_norm(parameters: Iterable[nn.Parameter]) -> float:
     """L2 norm of all gradients together (``precision.total_grad_norm``, as a float)."""
-    return float(total_grad_norm(parameters))
+    return total_grad_norm(parameters)[1]
 
 
 class PartialUpdateError(torch.OutOfMemoryError):

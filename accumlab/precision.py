@@ -16,6 +16,7 @@ gradients, finite exactly when every entry is, never by ``scaler.step``'s return
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -197,9 +198,10 @@ def _plain(t: Tensor) -> Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def total_grad_norm(parameters: Iterable[Tensor]) -> Tensor:
-    """The L2 norm of all existing gradients together, a 0-d tensor that is finite exactly
-    when every gradient entry is finite.
+def total_grad_norm(parameters: Iterable[Tensor]) -> tuple[Tensor, float]:
+    """The L2 norm of all existing gradients together, finite exactly when every gradient
+    entry is: as a 0-d tensor (for clipping) and as a float, read back from the device
+    once (one host sync in the common, finite case).
 
     ``torch.nn.utils.get_total_norm`` in the gradients' dtype; when that overflows (squares
     of finite float32 entries above about 1.8e19 sum to ``inf``) or is nan, recomputed in
@@ -208,15 +210,17 @@ def total_grad_norm(parameters: Iterable[Tensor]) -> Tensor:
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
-        return torch.zeros(())
+        return torch.zeros(()), 0.0
     norm = _plain(torch.nn.utils.get_total_norm(grads))
-    if bool(torch.isfinite(norm)):
-        return norm
+    value = float(norm)
+    if math.isfinite(value):
+        return norm, value
     device = norm.device
     parts = [
         _plain(torch.linalg.vector_norm(g.detach(), dtype=torch.float64)).to(device) for g in grads
     ]
-    return torch.linalg.vector_norm(torch.stack(parts))
+    norm = torch.linalg.vector_norm(torch.stack(parts))
+    return norm, float(norm)
 
 
 def mark_skipped(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
