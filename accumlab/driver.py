@@ -183,8 +183,9 @@ def train(
     ``TypeError`` or ``ValueError`` naming it), then the model is put in training mode
     (``model.train()``; it stays there). Each window goes through ``train_window``. A
     microbatch read from ``batches`` may hold at most ``plan.micro_batch_size`` examples
-    (a ``ValueError`` otherwise, before its window is trained on: a larger one would make
-    every count of the plan wrong); ``ledger.largest_microbatch`` keeps the largest seen.
+    (a ``ValueError`` otherwise, before its window is trained on, on every data-parallel
+    rank at once: a larger one would make every count of the plan wrong);
+    ``ledger.largest_microbatch`` keeps the largest seen.
     A short last window is trained on with ``plan.last_window == "update"`` (normalised by
     its own count) or counted as dropped with ``"drop"``. ``max_updates`` stops after that
     many update attempts (the rest of the iterable is not read). ``on_update`` is called
