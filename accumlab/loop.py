@@ -168,7 +168,8 @@ def train_window(
     names them). Every gradient is cleared on the way out, also when an exception stops
     the window. Out of memory inside the step raises ``PartialUpdateError``.
     """
-    stepped, orphans = _check_window(model, optimizer, clip_grad_norm, nonfinite, scheduler_per)
+    _check_window(model, clip_grad_norm, nonfinite, scheduler_per)
+    stepped, orphans = update_parameters(model, optimizer)  # raises before any forward
     scaler = _window_scaler(precision_policy(precision, model_device(model)), scaler)
     _clear_gradients(optimizer, orphans)  # clear
     try:
@@ -219,13 +220,9 @@ class PartialUpdateError(torch.OutOfMemoryError):
 
 
 def _check_window(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    clip_grad_norm: float | None,
-    nonfinite: str,
-    scheduler_per: str,
-) -> tuple[list[Tensor], list[Tensor]]:
-    """Check ``train_window``'s arguments; return ``update_parameters(model, optimizer)``."""
+    model: nn.Module, clip_grad_norm: float | None, nonfinite: str, scheduler_per: str
+) -> None:
+    """Check ``train_window``'s arguments (the optimizer: ``update_parameters``)."""
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(f"clip_grad_norm must be positive or None, got {clip_grad_norm!r}")
     if nonfinite not in ("skip", "raise"):
@@ -233,7 +230,6 @@ def _check_window(
     if scheduler_per not in ("applied", "attempt"):
         raise ValueError(f"scheduler_per must be 'applied' or 'attempt', got {scheduler_per!r}")
     check_replicas(model)  # a plain model in a multi-rank group is an error
-    return update_parameters(model, optimizer)
 
 
 def _window_scaler(
