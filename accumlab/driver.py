@@ -113,6 +113,7 @@ def _check_train_arguments(
         ("nonfinite", ("skip", "raise")),
         ("scheduler_per", ("applied", "attempt")),
         ("on_oom", ("raise", "shrink")),
+        ("sync", ("window", "microbatch")),
     ):
         if options[name] not in allowed:
             raise ValueError(f"{name} must be {allowed[0]!r} or {allowed[1]!r}, got {options[name]!r}")
@@ -173,6 +174,7 @@ def train(
     scheduler_per: Literal["applied", "attempt"] = "applied",
     on_update: Callable[[UpdateReport], None] | None = None,
     on_oom: Literal["raise", "shrink"] = "raise",
+    sync: Literal["window", "microbatch"] = "window",
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
@@ -196,6 +198,13 @@ def train(
     they mean in ``train_window``. With ``precision="fp16"`` and no scaler, one
     ``torch.amp.GradScaler`` for the model's device serves the whole run; the ledger
     counts update attempts, applied updates and skipped ones apart.
+
+    Gradient synchronization (``accumulate``): ``sync="window"`` syncs once per window,
+    the least traffic; under FSDP2 every rank then holds full unsharded gradients for the
+    whole window. ``sync="microbatch"`` syncs after every backward pass, so FSDP2 keeps
+    only its gradient shard (as torchtune's recipes do), for A times the traffic: pick it
+    when FSDP2's full gradients do not fit; under DDP it only adds traffic. The gradient
+    and the update are the same either way.
 
     Out of memory: ``on_oom="raise"`` lets ``torch.OutOfMemoryError`` through;
     ``on_oom="shrink"`` retries the window with every microbatch cut in half (same
@@ -232,6 +241,7 @@ def train(
             "scheduler_per": scheduler_per,
             "on_update": on_update,
             "on_oom": on_oom,
+            "sync": sync,
         },
     )
     checkpoint.check_arguments(checkpoint_dir, checkpoint_every, resume)
@@ -290,6 +300,7 @@ def train(
                     forward=forward,
                     nonfinite=nonfinite,
                     scheduler_per=scheduler_per,
+                    sync=sync,
                     index=ledger.update_attempts,
                 )
 

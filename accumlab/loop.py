@@ -90,16 +90,21 @@ def accumulate(
     precision: str = "fp32",
     scaler: torch.amp.GradScaler | None = None,
     meter: Any = None,
+    sync: Literal["window", "microbatch"] = "window",
 ) -> Accumulated:
     """Backpropagate one window into ``.grad`` (added to what is there; clear it first).
 
     Each microbatch backpropagates ``loss_sum × D / global_count``, where ``global_count``
     is the window's unit count summed over the ``D`` replicas, counted on CPU before any
-    forward pass. All but the last microbatch run forward and backward without gradient
-    synchronization, so a DDP/FSDP2 model syncs once per window. With a scaler each loss
-    is multiplied by the scale, the same for the whole window. No graph, output or loss
-    tensor outlives its microbatch. A window whose global count is zero runs no forward.
+    forward pass. ``sync="window"`` syncs a DDP/FSDP2 model on the last microbatch only:
+    least traffic, but FSDP2 holds full unsharded gradients all window; ``"microbatch"``
+    syncs every backward, so FSDP2 keeps only its shard (pick it when full gradients do
+    not fit; under DDP it only adds traffic). With a scaler each loss is multiplied by the
+    window's one scale. No graph, output or loss tensor outlives its microbatch. A window
+    whose global count is zero runs no forward.
     """
+    if sync not in ("window", "microbatch"):
+        raise ValueError(f"sync must be 'window' or 'microbatch', got {sync!r}")
     microbatches = list(window)
     if not microbatches:
         raise ValueError("window is empty: it needs at least one microbatch")
@@ -116,7 +121,7 @@ def accumulate(
     last = len(microbatches) - 1
     for i, microbatch in enumerate(microbatches):
         microbatch = to_device(microbatch, device)
-        with gradient_sync(model, enabled=i == last):
+        with gradient_sync(model, enabled=sync == "microbatch" or i == last):
             with _phase(meter, "forward", i), policy.autocast():
                 output = forward(model, microbatch)
                 part = objective.loss_sum(output, microbatch)
@@ -142,6 +147,7 @@ def train_window(
     forward: Forward | None = None,
     nonfinite: Literal["skip", "raise"] = "skip",
     scheduler_per: Literal["applied", "attempt"] = "applied",
+    sync: Literal["window", "microbatch"] = "window",
     index: int = 0,
 ) -> UpdateReport:
     """Exactly one update attempt from one window of microbatches.
@@ -155,7 +161,7 @@ def train_window(
 
     ``precision`` is ``"fp32"``, ``"bf16"`` or ``"fp16"`` (``accumlab.precision``). fp16
     needs a GradScaler; without one a scaler for this window alone is made (with a
-    warning): pass the same scaler to every window (``train`` does).
+    warning): pass the same scaler to every window (``train`` does). ``sync``: ``accumulate``.
 
     Skipped attempts leave the weights, the optimizer and (by default) the scheduler as
     they were, with ``report.applied`` False: a window without targets, or a non-finite
@@ -163,10 +169,10 @@ def train_window(
     off (``report.scale_before``/``scale_after``). Without one, a non-finite gradient is
     skipped (``nonfinite="skip"``) or raises ``FloatingPointError`` (``"raise"``).
 
-    The update works on the optimizer's parameters; the model's trainable parameters it
-    does not hold have their gradients cleared and are left out of the norm (one warning
-    names them). Every gradient is cleared on the way out, also when an exception stops
-    the window. Out of memory inside the step raises ``PartialUpdateError``.
+    The update works on the optimizer's parameters; the model's trainable parameters it does
+    not hold have their gradients cleared and are left out of the norm (one warning names
+    them). Every gradient is cleared on the way out, also when an exception stops the
+    window. Out of memory inside the step raises ``PartialUpdateError``.
     """
     _check_window(model, clip_grad_norm, nonfinite, scheduler_per)
     stepped, orphans = update_parameters(model, optimizer)  # raises before any forward
@@ -176,7 +182,7 @@ def train_window(
         # backward per microbatch, each loss_sum × D / global count
         acc = accumulate(
             model, window, objective, forward=forward, precision=precision, scaler=scaler,
-            meter=meter,
+            meter=meter, sync=sync,
         )  # fmt: skip
         report = _new_report(index, window, acc, optimizer, scaler)
         if acc.global_count > 0:
@@ -287,8 +293,7 @@ def _new_report(
 def _step(
     optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, index: int
 ) -> None:
-    """``scaler.step(optimizer)`` or ``optimizer.step()``; out of memory there is not
-    retryable (``PartialUpdateError``)."""
+    """Step with the scaler or the optimizer; out of memory there raises ``PartialUpdateError``."""
     try:
         scaler.step(optimizer) if scaler is not None else optimizer.step()
     except torch.OutOfMemoryError as exc:

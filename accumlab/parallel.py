@@ -121,8 +121,8 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Synchronize gradients in this block only when ``enabled`` (DDP's ``no_sync``,
     FSDP2's ``set_requires_gradient_sync(False)`` otherwise; nothing for a plain module).
 
-    Wrap the forward *and* the backward of a microbatch: DDP decides at forward time
-    whether the following backward will all-reduce.
+    Wrap the forward *and* the backward of a microbatch: DDP decides at forward time whether
+    the following backward will all-reduce.
     """
     model = unwrap(model)
     if enabled:
