@@ -280,10 +280,10 @@ def _train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
     )
+    # precision, unit and the optimizer come from the ledger (train() notes what it used)
     extra = {"seed": args.seed, "learning_rate": args.lr, "data_examples": len(examples),
-             "optimizer": "AdamW", "model": "TinyGPT"}
-    record = RunRecord.from_run(plan, ledger, unit=objective.unit, precision=args.precision,
-                                extra=extra)
+             "model": "TinyGPT"}
+    record = RunRecord.from_run(plan, ledger, extra=extra)
     print(ledger.summary())
     print(record.to_markdown())
     if record_path is not None:
