@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 import accumlab as al
 from accumlab.checks import accumulated_gradient, full_batch_gradient
-from accumlab.course.data import make_regression
+from accumlab.course.data import make_classification
 from accumlab.course.models import MLP
 
 
@@ -22,7 +22,7 @@ def mlp64(seed: int = 0) -> MLP:
 
 
 def regression_batch(n: int = 12, seed: int = 0) -> dict[str, Tensor]:
-    x, labels = make_regression(n, in_features=8, out_features=3, seed=seed)
+    x, labels = make_classification(n, in_features=8, out_features=3, seed=seed)
     return {"x": x.double(), "labels": labels}
 
 

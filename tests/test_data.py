@@ -24,7 +24,7 @@ from accumlab.course.data import (
     decode,
     encode,
     load_examples,
-    make_regression,
+    make_classification,
     microbatches,
 )
 
@@ -271,16 +271,16 @@ def test_microbatches_bad_size_and_empty() -> None:
         microbatches([], 2)
 
 
-# --- make_regression --------------------------------------------------------------
+# --- make_classification --------------------------------------------------------------
 
 
-def test_make_regression() -> None:
-    x, y = make_regression(64, in_features=5, out_features=4, seed=3)
+def test_make_classification() -> None:
+    x, y = make_classification(64, in_features=5, out_features=4, seed=3)
     assert x.shape == (64, 5) and x.dtype == torch.float32
     assert y.shape == (64,) and y.dtype == torch.long
     assert 0 <= y.min().item() and y.max().item() < 4
     assert len(set(y.tolist())) > 1
-    x2, y2 = make_regression(64, in_features=5, out_features=4, seed=3)
+    x2, y2 = make_classification(64, in_features=5, out_features=4, seed=3)
     assert torch.equal(x, x2) and torch.equal(y, y2)
     with pytest.raises(ValueError):
-        make_regression(0)
+        make_classification(0)

@@ -211,7 +211,7 @@ def microbatches(
     ]
 
 
-def make_regression(
+def make_classification(
     n: int, in_features: int = 8, out_features: int = 3, seed: int = 0
 ) -> tuple[Tensor, Tensor]:
     """A small synthetic *classification* set for :class:`accumlab.course.models.MLP`.
