@@ -16,8 +16,10 @@ import nbformat
 from nbclient import NotebookClient
 
 
-def run(path: Path, timeout: int = 900) -> float:
-    nb = nbformat.read(path, as_version=4)
+def nbval_client(
+    nb: nbformat.NotebookNode, path: Path, timeout: int = 900, allow_errors: bool = False
+) -> NotebookClient:
+    """A client that executes ``nb`` (read from ``path``) the way nbval runs it."""
     client = NotebookClient(
         nb,
         timeout=timeout,
@@ -25,8 +27,15 @@ def run(path: Path, timeout: int = 900) -> float:
         resources={"metadata": {"path": str(path.parent)}},
         extra_arguments=["--IPKernelApp.capture_fd_output=False"],
         record_timing=False,
+        allow_errors=allow_errors,
     )
     client.widget_registry = {}  # nbval does not emulate Output widgets; neither do we
+    return client
+
+
+def run(path: Path, timeout: int = 900) -> float:
+    nb = nbformat.read(path, as_version=4)
+    client = nbval_client(nb, path, timeout)
     start = time.perf_counter()
     client.execute()
     # Save the kernel under the name ipykernel installs, so JupyterLab opening the notebook

@@ -38,7 +38,10 @@ import time
 from pathlib import Path
 
 import nbformat
-from nbclient import NotebookClient
+
+# The kernel settings nbval uses live in one place: run_notebooks.nbval_client.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_notebooks import nbval_client  # noqa: E402
 
 # The settings `make notebooks` and `make nbval` run under; the kernel inherits them.
 RUN_ENV = {"TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg", "PYTHONHASHSEED": "0"}
@@ -78,16 +81,7 @@ def run_notebook(
     nb = nbformat.read(path, as_version=4)
     if no_processes:
         nb.cells.insert(0, nbformat.v4.new_code_cell(NO_PROCESSES_CELL))
-    client = NotebookClient(
-        nb,
-        timeout=timeout,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(path.parent)}},
-        extra_arguments=["--IPKernelApp.capture_fd_output=False"],
-        record_timing=False,
-        allow_errors=no_processes,
-    )
-    client.widget_registry = {}  # as nbval: Output widgets are not emulated
+    client = nbval_client(nb, path, timeout, allow_errors=no_processes)
     cpu_children = _cpu_seconds(resource.RUSAGE_CHILDREN)
     cpu_self = _cpu_seconds(resource.RUSAGE_SELF)
     start = time.perf_counter()
