@@ -17,8 +17,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 #: The verdict printed for a stub; tests and notebooks rely on this exact wording.
 NOT_ATTEMPTED = "not attempted yet"
+
+
+def fills_grad_only(model: Any, weights_before: dict[str, Any], where: str) -> str | None:
+    """The problem with an answer that should only fill ``.grad``: it changed the weights,
+    or it left no gradient at all (``None`` when neither)."""
+    if any(not torch.equal(weights_before[k], v) for k, v in model.state_dict().items()):
+        return (
+            f"{where}: the weights changed; this function only fills .grad, the "
+            "optimizer steps after the window"
+        )
+    if all(p.grad is None for p in model.parameters()):
+        return f"{where}: no gradient at all; call .backward() on each microbatch's loss"
+    return None
 
 
 def _is_stub(answer: Any) -> bool:

@@ -29,7 +29,7 @@ from ...loop import default_forward
 from ...objectives import ExampleLoss, NextTokenLoss, Objective
 from ..data import VOCAB_SIZE, Example, collate
 from ..models import MLP, TinyGPT
-from . import Exercise
+from . import Exercise, fills_grad_only
 
 #: Relative tolerance of the checker: float32 accumulation order changes the last bits only.
 RTOL = 1e-4
@@ -147,13 +147,9 @@ def check_accumulate_window(answer: Callable[..., Any]) -> str | None:
             where = f"on {name}, microbatches of {sizes} examples"
             if counts != sizes:
                 where += f" ({counts} {objective.unit}s)"
-            if any(not torch.equal(weights[k], v) for k, v in model.state_dict().items()):
-                return (
-                    f"{where}: the weights changed; this function only fills .grad, the "
-                    "optimizer steps after the window"
-                )
-            if all(p.grad is None for p in model.parameters()):
-                return f"{where}: no gradient at all; call .backward() on each microbatch's loss"
+            problem = fills_grad_only(model, weights, where)
+            if problem is not None:
+                return problem
             comparison = compare(reference, got)
             if comparison.ok(RTOL):
                 continue

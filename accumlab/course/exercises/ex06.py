@@ -31,7 +31,7 @@ from ...checks import compare, gradients, split_batch
 from ...objectives import NextTokenLoss
 from ..data import VOCAB_SIZE, Example, collate
 from ..models import TinyGPT
-from . import Exercise
+from . import Exercise, fills_grad_only
 
 #: Relative tolerance of the checker: float32 accumulation order changes the last bits only.
 RTOL = 1e-4
@@ -173,13 +173,9 @@ def check_sequence_weighted_window(answer: Callable[..., Any]) -> str | None:
             answer(model, window, sequence_losses)
             got = gradients(model)
             where = f"on microbatches of {sizes} sequences of {lengths} tokens"
-            if any(not torch.equal(weights[k], v) for k, v in model.state_dict().items()):
-                return (
-                    f"{where}: the weights changed; this function only fills .grad, the "
-                    "optimizer steps after the window"
-                )
-            if all(p.grad is None for p in model.parameters()):
-                return f"{where}: no gradient at all; call .backward() on each microbatch's loss"
+            problem = fills_grad_only(model, weights, where)
+            if problem is not None:
+                return problem
             comparison = compare(reference, got)
             if comparison.ok(RTOL):
                 continue
