@@ -16,7 +16,10 @@ TORCH ?= torch==$(TORCH_VERSION)
 TORCH_INDEX ?=
 TORCH_INDEX_BASE := https://download.pytorch.org/whl
 torch_index_url = $(if $(findstring ://,$(TORCH_INDEX)),$(TORCH_INDEX),$(TORCH_INDEX_BASE)/$(strip $(TORCH_INDEX)))
-torch_pip_args = $(if $(strip $(TORCH_INDEX)),--index-url $(torch_index_url))
+# From PyTorch's index pip takes torch alone (--no-deps); its dependencies (sympy, jinja2,
+# ...) come from pip's usual index in a second step, so an index that serves only PyTorch
+# or a mirror without the rest works, and an unreachable index fails in seconds.
+torch_pip_args = $(if $(strip $(TORCH_INDEX)),--index-url $(torch_index_url) --no-deps --retries 1 --timeout 20)
 torch_default_note := pip's default index; on Linux that is the CUDA build, several GB: on a Linux machine without an NVIDIA GPU stop here and run make lab TORCH_INDEX=cpu
 torch_from = $(if $(strip $(TORCH_INDEX)),$(strip $(TORCH_INDEX)) build from $(torch_index_url),$(torch_default_note))
 
@@ -29,31 +32,49 @@ PIP := $(BIN)/python -m pip install --disable-pip-version-check $(PIPFLAGS)
 # extra arguments, e.g. LAB_ARGS=--no-browser on a machine without a browser or over SSH.
 LAB_PORT ?= 8888
 LAB_ARGS ?=
-LAB_NOTEBOOK := notebooks/00_start_here.ipynb
-# The layout the lab opens in: a JupyterLab workspace with the file browser at the
-# repository root and LAB_NOTEBOOK open. Each `make lab` imports the committed file into
+# The learner works in LAB_COPIES, git-ignored copies of notebooks/ made on first use and
+# never overwritten (tools/learner_copies.py), so running, answering and saving never
+# changes a tracked file and `git pull` cannot conflict with a learner's work.
+LAB_COPIES := my-notebooks
+LAB_NOTEBOOK := $(LAB_COPIES)/00_start_here.ipynb
+# The layout the lab opens in: a JupyterLab workspace with the file browser in
+# LAB_COPIES and LAB_NOTEBOOK open. Each `make lab` imports the committed file into
 # LAB_WORKSPACES inside the virtual environment and opens /lab/workspaces/LAB_WORKSPACE;
 # JupyterLab saves layout changes there, never into the repository. (A ?file-browser-path
 # query on a /lab/tree URL cannot be used: the server appends ?token= to the URL it prints.)
 LAB_WORKSPACE := accumlab
 LAB_WORKSPACE_FILE := tools/lab-workspace.json
 LAB_WORKSPACES := $(VENV)/lab-workspaces
+# Quiet start: no Jupyter news pop-up or update check (tools/lab-overrides.json, copied into
+# the environment's settings), no scan for language servers the course does not use
+# (JupyterLab's "Skipped non-installed server(s)" line), and the build's accumlab.egg-info
+# hidden from the file browser.
+LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings
+LAB_HIDE := ['__pycache__','*.pyc','*.egg-info','.ipynb_checkpoints']
 
 # Deterministic, headless runs for tests and notebook re-execution.
 export MPLBACKEND := Agg
 export PYTHONHASHSEED := 0
 TEST_ENV := TQDM_DISABLE=1 OMP_NUM_THREADS=1
 NOTEBOOKS ?= $(sort $(wildcard notebooks/[0-9]*.ipynb))
+# `make test` runs the unit tests and the notebooks side by side, one core each; each
+# prints its output and its time when it ends. TEST_JOBS=1 runs them one after the other.
+TEST_JOBS ?= 2
+# Each stage prints its name and wall time when it ends (tools/timed).
+TIMED := tools/timed
 
-.PHONY: lab check test unit nbval lint notebooks bench bench-peers clean
+.PHONY: lab restore check test unit nbval nbval-matrix lint notebooks bench bench-peers clean
 
 $(BIN)/python:
 	@echo "creating the virtual environment $(VENV) with $(PYTHON) ..."
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed-torch: | $(BIN)/python
+	$(if $(strip $(TORCH_INDEX)),@$(BIN)/python tools/reach_index.py $(torch_index_url))
 	@echo "installing PyTorch $(TORCH_VERSION) ($(torch_from)) ..."
 	$(PIP) $(torch_pip_args) "$(TORCH)"
+	$(if $(strip $(TORCH_INDEX)),@echo "installing PyTorch's dependencies from pip's usual index ...")
+	$(if $(strip $(TORCH_INDEX)),$(PIP) "$(TORCH)")
 	@touch $@
 
 # The package with what the course needs: matplotlib, ipywidgets, tqdm.
@@ -73,29 +94,48 @@ $(VENV)/.installed-dev: $(VENV)/.installed-core
 	@touch $@
 
 # Serve the repository root; the URL JupyterLab opens or prints (with its token) is the
-# course's workspace: README, accumlab/ and examples/ in the file browser, notebook 00 open.
+# course's workspace: the learner's copies in the file browser, notebook 00 open.
 lab: $(VENV)/.installed-lab
+	@$(BIN)/python tools/learner_copies.py sync
+	@mkdir -p $(LAB_SETTINGS) && cp tools/lab-overrides.json $(LAB_SETTINGS)/overrides.json
 	$(BIN)/jupyter lab workspaces import --name=$(LAB_WORKSPACE) \
 	  --LabWorkspaceImportApp.workspaces_dir=$(LAB_WORKSPACES) $(LAB_WORKSPACE_FILE)
-	@echo "starting JupyterLab at the repository root with $(LAB_NOTEBOOK) open (Ctrl-C twice stops it) ..."
+	@echo "starting JupyterLab with $(LAB_NOTEBOOK) open. This terminal stays busy while it runs:"
+	@echo "use a second terminal for make test or git. Ctrl-C twice here stops it ..."
 	$(BIN)/jupyter lab --ServerApp.root_dir=. --ServerApp.port=$(LAB_PORT) \
 	  --LabApp.workspaces_dir=$(LAB_WORKSPACES) \
 	  --LabApp.default_url=/lab/workspaces/$(LAB_WORKSPACE) \
+	  --LanguageServerManager.autodetect=False \
+	  "--ContentsManager.hide_globs=$(LAB_HIDE)" \
 	  $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
+# A fresh copy of one lesson (NB=03) or of all (NB=all) in $(LAB_COPIES); the replaced
+# copy is moved to $(LAB_COPIES)/backups/ and the line printed says so.
+restore:
+	@$(PYTHON) tools/learner_copies.py restore $(NB)
+
 check: $(VENV)/.installed-core
-	$(BIN)/accumlab env --check
+	@$(TIMED) "smoke check" $(BIN)/accumlab env --check
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check .
+	@$(TIMED) lint $(BIN)/ruff check .
 
 unit: $(VENV)/.installed-dev
-	$(TEST_ENV) $(BIN)/python -m pytest -q tests
+	@$(TIMED) "unit tests" env $(TEST_ENV) $(BIN)/python -m pytest -q tests
 
 nbval: $(VENV)/.installed-dev
-	$(TEST_ENV) $(BIN)/python -m pytest -q -p no:cacheprovider --nbval $(NOTEBOOKS)
+	@$(TIMED) "notebooks (strict nbval)" env $(TEST_ENV) $(BIN)/python -m pytest -q -p no:cacheprovider --nbval $(NOTEBOOKS)
 
-test: check lint unit nbval
+test: check lint
+	@echo "running the unit tests and the notebooks side by side ($(TEST_JOBS) jobs); each prints when it ends ..."
+	@$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target unit nbval
+
+# Strict nbval under several CPU kernel choices (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA,
+# thread count): lists every cell whose output depends on them. Run it before committing
+# re-executed notebooks (CONTRIBUTING.md); MATRIX=full for all 8 combinations.
+MATRIX ?= pairs
+nbval-matrix: $(VENV)/.installed-dev
+	$(BIN)/python tools/nbval_matrix.py --matrix $(MATRIX) $(NOTEBOOKS)
 
 # Re-execute and save notebooks the way nbval sees them (NOTEBOOKS=notebooks/02_*.ipynb for one).
 notebooks: $(VENV)/.installed-dev

@@ -37,8 +37,8 @@ def pip_lines(lines: list[str]) -> list[str]:
 
 
 def torch_line(lines: list[str]) -> str:
-    (line,) = [line for line in pip_lines(lines) if '"torch==' in line]
-    return line
+    """The pip line that downloads PyTorch (the first one naming it)."""
+    return [line for line in pip_lines(lines) if '"torch==' in line][0]
 
 
 def test_default_installs_the_pinned_torch_from_pips_own_index(tmp_path):
@@ -60,11 +60,32 @@ def test_default_installs_the_pinned_torch_from_pips_own_index(tmp_path):
 )
 def test_torch_index_reaches_pip_for_torch_only(tmp_path, choice, url):
     lines = dry_run(tmp_path, "lab", f"TORCH_INDEX={choice}")
-    assert f"--index-url {url} " in torch_line(lines)
-    others = [line for line in pip_lines(lines) if '"torch==' not in line]
+    first = torch_line(lines)
+    # PyTorch's index serves torch alone: --no-deps, few retries, a short timeout
+    assert f"--index-url {url} " in first and "--no-deps" in first
+    assert "--retries 1" in first and "--timeout 20" in first
+    # its dependencies, and everything else, come from pip's usual index
+    others = [line for line in pip_lines(lines) if line != first]
+    assert any('"torch==2.13.0"' in line for line in others)
     assert others and not any("--index-url" in line for line in others)
     (said,) = [line for line in lines if "installing PyTorch 2.13.0" in line]
     assert url in said
+    # the index is probed first, so an unreachable one fails in seconds with one line
+    (probe,) = [line for line in lines if "tools/reach_index.py" in line]
+    assert lines.index(probe) < lines.index(first) and probe.endswith(url)
+
+
+def test_an_unreachable_index_fails_fast_with_one_line():
+    import sys
+    import time
+
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "reach_index.py"),
+                             "http://127.0.0.1:9/whl/cpu"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 1 and time.monotonic() - start < 30
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("cannot reach PyTorch's wheel index http://127.0.0.1:9/whl/cpu")
 
 
 def test_lab_installs_the_course_and_not_the_test_tools(tmp_path):
@@ -102,22 +123,45 @@ def test_lab_serves_the_repository_root_in_the_course_workspace(tmp_path):
     assert "--LabApp.default_url=/lab/workspaces/accumlab " in start
     assert "--ServerApp.root_dir=. " in start
     assert "--ServerApp.port=9999" in start and start.endswith("--no-browser")
+    # the learner's copies exist before the server opens one of them
+    (sync,) = [x for x in text.splitlines() if "tools/learner_copies.py sync" in x]
+    assert text.index(sync) < text.index(start)
+    # a quiet start: no language-server scan, no news pop-up, no egg-info in the browser
+    assert "--LanguageServerManager.autodetect=False" in start and "*.egg-info" in start
+    (settings,) = [x for x in text.splitlines() if "lab-overrides.json" in x]
+    assert settings.endswith(f"{venv}/share/jupyter/lab/settings/overrides.json")
+    overrides = json.loads((ROOT / "tools" / "lab-overrides.json").read_text())
+    assert overrides["@jupyterlab/apputils-extension:notification"]["fetchNews"] == "false"
 
 
-def test_the_course_workspace_opens_notebook_00_with_the_root_in_the_file_browser():
+def test_test_runs_unit_and_nbval_side_by_side_and_times_each_stage(tmp_path):
+    text = "\n".join(dry_run(tmp_path, "test"))
+    assert "-j2 --output-sync=target unit nbval" in text
+    for stage in ('"smoke check"', "lint", '"unit tests"', '"notebooks (strict nbval)"'):
+        assert f"tools/timed {stage} " in text
+    result = subprocess.run(["bash", str(ROOT / "tools" / "timed"), "stage x", "false"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1 and result.stdout.startswith("== stage x: FAILED (exit 1) in ")
+
+
+def test_the_course_workspace_opens_the_learners_notebook_00():
     workspace = json.loads((ROOT / "tools" / "lab-workspace.json").read_text())
     data = workspace["data"]
-    assert data["file-browser-filebrowser:cwd"] == {"path": ""}  # "" is the server's root
-    notebook = "notebooks/00_start_here.ipynb"
+    # the file browser shows the learner's copies (a path relative to the server's root)
+    assert data["file-browser-filebrowser:cwd"] == {"path": "my-notebooks"}
+    notebook = "my-notebooks/00_start_here.ipynb"
     layout = data["layout-restorer:data"]
     assert layout["main"]["current"] == f"notebook:{notebook}"
     assert layout["main"]["dock"]["widgets"] == [f"notebook:{notebook}"]
     assert layout["left"] == {"collapsed": False, "current": "filebrowser"}
     assert data[f"notebook:{notebook}"]["data"] == {"path": notebook, "factory": "Notebook"}
-    assert (ROOT / notebook).is_file()
+    assert (ROOT / "notebooks" / "00_start_here.ipynb").is_file()  # what the copy is made from
+    assert "my-notebooks/" in (ROOT / ".gitignore").read_text().splitlines()
     assert workspace["metadata"]["id"] == "accumlab"
     # the line `make lab` prints before starting names the notebook the workspace opens
-    assert f"LAB_NOTEBOOK := {notebook}\n" in (ROOT / "Makefile").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    assert "LAB_COPIES := my-notebooks\n" in makefile
+    assert "LAB_NOTEBOOK := $(LAB_COPIES)/00_start_here.ipynb\n" in makefile
 
 
 def test_check_and_test_run_the_smoke_check(tmp_path):
