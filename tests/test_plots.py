@@ -12,12 +12,18 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from accumlab.course.plots import (  # noqa: E402
+    EVENT_KINDS,
     RunCurve,
+    WindowEvent,
+    WindowRecorder,
     curve_points,
     plot_loss_curves,
     plot_updates_and_examples,
     plot_weights,
+    plot_window_timeline,
+    record_window,
     run_curve,
+    timeline_boxes,
     weight_bars,
 )
 
@@ -199,3 +205,181 @@ def test_plot_updates_and_examples_rejects_bad_runs():
     with pytest.raises(ValueError, match="pair of Axes"):
         curve = RunCurve([1.0], [0.0], [0.0])
         plot_updates_and_examples({"r": curve}, ylabel="y", axes=[plt.gca()])
+
+
+# ----------------------------------------------------------------------------- the window timeline
+
+
+def _mlp_window(a=3, seed=0):
+    import torch
+
+    from accumlab.course.models import MLP
+
+    torch.manual_seed(seed)
+    model = MLP(6, 12, 3)
+    g = torch.Generator().manual_seed(seed)
+    window = [
+        {"x": torch.randn(2, 6, generator=g), "labels": torch.randint(0, 3, (2,), generator=g)}
+        for _ in range(a)
+    ]
+    return model, window, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _kinds(events):
+    return [(e.kind, e.microbatch) for e in events]
+
+
+def test_record_window_single_device_order():
+    import accumlab as al
+
+    model, window, optimizer = _mlp_window(a=3)
+    events = record_window(model, window, optimizer, al.ExampleLoss(), clip_grad_norm=0.01)
+    micro = [x for i in range(3) for x in (("forward", i), ("backward", i))]
+    boundary = [("check", None), ("clip", None), ("step", None), ("clear", None)]
+    assert _kinds(events) == [("clear", None), *micro, *boundary]
+    starts = [e.start for e in events]
+    assert starts == sorted(starts) and all(e.end >= e.start for e in events)
+    assert {e.rank for e in events} == {0} and all(e.kind in EVENT_KINDS for e in events)
+    assert [e.label for e in events[1:5]] == ["F0", "B0", "F1", "B1"]
+
+
+def test_record_window_fp16_skipped_update_has_no_step():
+    import torch
+
+    import accumlab as al
+
+    model, window, optimizer = _mlp_window(a=2)
+    scaler = torch.amp.GradScaler("cpu")
+    with al.inject_nonfinite(model.net[0].weight):
+        events = record_window(
+            model, window, optimizer, al.ExampleLoss(), precision="fp16", scaler=scaler,
+            clip_grad_norm=1.0,
+        )  # fmt: skip
+    kinds = [e.kind for e in events]
+    assert kinds[-4:] == ["unscale", "check", "update scale", "clear"]
+    assert "step" not in kinds and "clip" not in kinds
+    check = events[kinds.index("check")]
+    assert check.detail == "non-finite" and check.label == "check\ninf!"
+    # the next window, finite: unscale, check, clip, step, update the scale, clear
+    events = record_window(
+        model, window, optimizer, al.ExampleLoss(), precision="fp16", scaler=scaler,
+        clip_grad_norm=1.0,
+    )  # fmt: skip
+    tail = ["unscale", "check", "clip", "step", "update scale", "clear"]
+    assert [e.kind for e in events][-6:] == tail
+
+
+def test_recorder_sees_a_hand_written_skip_and_restores_everything():
+    import torch
+
+    import accumlab as al
+    import accumlab.loop as loop
+
+    model, window, optimizer = _mlp_window(a=2)
+    scaler = torch.amp.GradScaler("cpu")
+    originals = (loop.total_grad_norm, torch.nn.utils.clip_grad_norm_)
+    with WindowRecorder(model, optimizer, scaler) as rec:
+        with al.inject_nonfinite(model.net[0].weight):
+            for mb in window:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = torch.nn.functional.cross_entropy(model(mb["x"]), mb["labels"])
+                scaler.scale(loss / 2).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)  # an inf: no optimizer.step()
+        scaler.update()
+        optimizer.zero_grad()
+        with pytest.raises(RuntimeError, match="already recording"):
+            WindowRecorder(model, optimizer).__enter__()
+    kinds = [e.kind for e in rec.events]
+    assert kinds == [
+        "forward", "backward", "forward", "backward", "unscale", "clip", "skip",
+        "update scale", "clear",
+    ]  # fmt: skip
+    assert rec.count("forward") == 2 and rec.count("step") == 0
+    assert (loop.total_grad_norm, torch.nn.utils.clip_grad_norm_) == originals
+    assert "zero_grad" not in vars(optimizer) and "step" not in vars(scaler)
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    n = len(rec.events)
+    model(window[0]["x"]).sum().backward()  # nothing is recorded any more
+    optimizer.zero_grad()
+    assert len(rec.events) == n
+
+
+def test_recorder_rejects_bad_arguments():
+    import torch
+
+    model, _, optimizer = _mlp_window()
+    with pytest.raises(TypeError, match="optimizer must be"):
+        WindowRecorder(model, model)
+    with pytest.raises(TypeError, match="model must be"):
+        WindowRecorder(optimizer, optimizer)
+    with pytest.raises(TypeError, match="scaler must be"):
+        WindowRecorder(model, optimizer, scaler=torch.ones(1))
+
+
+def _event(kind, t, rank=0, microbatch=None, detail=""):
+    return WindowEvent(rank, kind, t, t + 0.5, microbatch, detail)
+
+
+def test_timeline_boxes_one_lane_per_rank_in_order():
+    run = [_event("forward", 0.0, 0, 0), _event("backward", 1.0, 0, 0), _event("sync", 2.0, 0, 0)]
+    other = [_event("forward", 0.2, 1, 0), _event("backward", 1.1, 1, 0), _event("sync", 2.5, 1, 0)]
+    lanes, boxes = timeline_boxes({"DDP": list(reversed(run)) + other, "one": run[:2]})
+    assert lanes == ["DDP · rank 0", "DDP · rank 1", "one"]
+    assert [(b.lane, b.x, b.label) for b in boxes] == [
+        (0, 0.0, "F0"), (0, 1.0, "B0"), (0, 2.0, "sync"),
+        (1, 0.0, "F0"), (1, 1.0, "B0"), (1, 2.0, "sync"),
+        (2, 0.0, "F0"), (2, 1.0, "B0"),
+    ]  # fmt: skip
+    _, timed = timeline_boxes({"one": run}, order=False)
+    assert [b.x for b in timed] == [0.0, 1000.0, 2000.0] and timed[0].width == 500.0
+
+
+@pytest.mark.parametrize(
+    ("runs", "error", "match"),
+    [
+        ({}, ValueError, "non-empty mapping"),
+        ([], ValueError, "non-empty mapping"),
+        ({"a": []}, ValueError, "holds no events"),
+        ({"a": [("forward", 0.0)]}, TypeError, "WindowEvent"),
+    ],
+)
+def test_timeline_boxes_rejects_bad_input(runs, error, match):
+    with pytest.raises(error, match=match):
+        timeline_boxes(runs)
+
+
+def test_plot_window_timeline_draws_a_labelled_box_per_event():
+    events = [_event("clear", 0), _event("forward", 1, microbatch=0),
+              _event("check", 2, detail="non-finite"), _event("update scale", 3)]  # fmt: skip
+    ax = plot_window_timeline({"fp16": events}, title="one window")
+    assert len(ax.patches) == 4
+    assert [t.get_text() for t in ax.texts] == ["clear", "F0", "check\ninf!", "update\nscale"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["fp16"]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["forward", "check", "update scale", "clear"]
+    assert ax.get_title() == "one window"
+
+
+@pytest.mark.distributed
+def test_ddp_window_timeline_syncs_once_with_no_sync_and_a_times_without():
+    from accumlab.course import workers
+    from accumlab.distributed import launch
+
+    a = 3
+    for sync, expected in (("window", 1), ("microbatch", a)):
+        per_rank = launch(workers.window_timeline, 2, (a, sync))
+        for rank, events in enumerate(per_rank):
+            kinds = [e.kind for e in events]
+            assert {e.rank for e in events} == {rank}
+            assert kinds.count("sync") == expected and kinds.count("backward") == a
+            # every sync follows its microbatch's backward; the boundary follows the last sync
+            for i, kind in enumerate(kinds):
+                if kind == "sync":
+                    assert kinds[i - 1] == "backward"
+                    assert events[i].microbatch == events[i - 1].microbatch
+            last_sync = len(kinds) - 1 - kinds[::-1].index("sync")
+            assert kinds[last_sync + 1 :] == ["check", "clip", "step", "clear"]
+            if sync == "window":
+                assert events[last_sync].microbatch == a - 1

@@ -270,3 +270,382 @@ def plot_updates_and_examples(
     by_updates.set_title("on the update axis")
     by_seen.set_title(f"on the {seen_label} axis")
     return by_updates, by_seen
+
+
+# ----------------------------------------------------------------------------- the window's timeline
+
+#: What :class:`WindowRecorder` records, in the order a correct window makes them (the
+#: microbatch side, then the boundary): ``"skip"`` is a ``scaler.step`` that made no
+#: ``optimizer.step()`` call.
+EVENT_KINDS = (
+    "forward", "backward", "sync", "unscale", "check", "clip", "step", "skip", "update scale",
+    "clear",
+)  # fmt: skip
+_COLORS = {
+    "forward": "#9ecae1", "backward": "#3182bd", "sync": "#e6550d", "unscale": "#fdae6b",
+    "check": "#a1d99b", "clip": "#74c476", "step": "#31a354", "skip": "#de2d26",
+    "update scale": "#bcbddc", "clear": "#d9d9d9",
+}  # fmt: skip
+_DARK = {_COLORS[k] for k in ("backward", "sync", "step", "skip")}
+
+
+@dataclass(frozen=True)
+class WindowEvent:
+    """One thing that happened on one rank during a recorded window.
+
+    ``kind`` is one of :data:`EVENT_KINDS`; ``microbatch`` is the index of the microbatch a
+    forward, backward or sync belongs to (None at the boundary); ``start`` and ``end`` are
+    ``time.perf_counter()`` seconds (an instant event has ``end == start``); ``detail`` is
+    ``"non-finite"`` for a check that found an inf or nan, else empty.
+    """
+
+    rank: int
+    kind: str
+    start: float
+    end: float
+    microbatch: int | None = None
+    detail: str = ""
+
+    @property
+    def label(self) -> str:
+        """The short text drawn in its box: ``F2``/``B2`` for microbatch 2, else the kind."""
+        if self.kind in ("forward", "backward"):
+            return f"{self.kind[0].upper()}{self.microbatch}"
+        if self.kind == "check":
+            return "check\ninf!" if self.detail == "non-finite" else "check"
+        return {"skip": "step\nskipped", "update scale": "update\nscale"}.get(self.kind, self.kind)
+
+
+class _HookState:
+    """The DDP communication hook's state: which recorder listens (None: nobody)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.recorder: WindowRecorder | None = None
+
+
+def _recording_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
+    # No annotations: DDP checks them at run time and rejects string annotations.
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    if state.recorder is not None:
+        state.recorder._bucket(bucket.is_last())
+    return allreduce_hook(state.group, bucket)
+
+
+class WindowRecorder:
+    """Record what a window really does, in order, on this rank: a context manager.
+
+    Inside ``with WindowRecorder(model, optimizer, scaler) as rec:`` every forward pass
+    (module forward pre/post hooks), backward pass (from the first to the last parameter
+    gradient: ``torch.autograd.graph.register_multi_grad_hook``), DDP gradient
+    synchronization (a DDP communication hook that all-reduces exactly like DDP's default),
+    ``scaler.unscale_``/``step``/``update``, gradient-norm check (``accumlab.loop``'s
+    ``total_grad_norm``), clip (``torch.nn.utils.clip_grad_norm_`` or
+    ``clip_grads_with_norm_``), ``optimizer.step()`` (step pre/post hooks) and
+    ``optimizer.zero_grad()`` is appended to ``rec.events`` as a :class:`WindowEvent` with
+    ``time.perf_counter()`` times. Everything is removed on exit, except the DDP hook (DDP
+    cannot remove one; it stays a plain all-reduce that records nothing). A DDP model takes
+    one communication hook, so do not also attach a ``SyncCounter``: count the ``"sync"``
+    events instead. One recorder at a time (it patches two module functions).
+    """
+
+    _active = False
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        scaler: Any = None,
+        *,
+        rank: int | None = None,
+    ) -> None:
+        import torch
+
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(
+                f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}"
+            )
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        if rank is None:
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.rank = rank
+        self.events: list[WindowEvent] = []
+        self._undo: list[Any] = []
+        self._forwards = 0
+        self._open: dict[str, float] = {}
+        self._stepped = False
+
+    # -- recording
+    def _add(
+        self, kind: str, start: float, microbatch: int | None = None, detail: str = ""
+    ) -> None:
+        import time
+
+        self.events.append(
+            WindowEvent(self.rank, kind, start, time.perf_counter(), microbatch, detail)
+        )
+
+    def _microbatch(self) -> int:
+        return max(self._forwards - 1, 0)
+
+    def _bucket(self, last: bool) -> None:
+        import time
+
+        self._open.setdefault("sync", time.perf_counter())
+        if last:
+            self._add("sync", self._open.pop("sync"), self._microbatch())
+
+    def _wrap(self, owner: Any, name: str, kind: str, *, instance: bool) -> None:
+        """Replace ``owner.name`` by a version that records ``kind`` around the call."""
+        import time
+
+        original = getattr(owner, name)
+        recorder = self
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            if kind == "skip":  # scaler.step: a "step" event appears only if the optimizer steps
+                recorder._stepped = False
+                out = original(*args, **kwargs)
+                if not recorder._stepped:
+                    recorder._add("skip", start)
+                return out
+            out = original(*args, **kwargs)
+            detail = ""
+            if kind == "check" and not math.isfinite(out[1]):
+                detail = "non-finite"
+            recorder._add(kind, start, detail=detail)
+            return out
+
+        had = instance and name in vars(owner)
+        setattr(owner, name, recorded)
+
+        def undo() -> None:
+            if instance and not had:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+        self._undo.append(undo)
+
+    def __enter__(self) -> WindowRecorder:
+        import time
+
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
+
+        from .. import loop
+        from ..parallel import unwrap
+
+        if WindowRecorder._active:
+            raise RuntimeError("a WindowRecorder is already recording; nest none")
+        WindowRecorder._active = True
+        model = self.model
+
+        def pre(module: Any, args: Any) -> None:
+            self._forwards += 1
+            self._open["forward"] = time.perf_counter()
+
+        def post(module: Any, args: Any, output: Any) -> None:
+            self._add("forward", self._open.pop("forward"), self._microbatch())
+
+        handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
+        params = [p for p in model.parameters() if p.requires_grad]
+        if params:
+
+            def first(grads: Any) -> None:
+                self._open["backward"] = time.perf_counter()
+
+            def last(grads: Any) -> None:
+                self._add("backward", self._open.pop("backward"), self._microbatch())
+
+            graph = torch.autograd.graph
+            handles.append(graph.register_multi_grad_hook(params, first, mode="any"))
+            handles.append(graph.register_multi_grad_hook(params, last, mode="all"))
+
+        def step_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+            self._open["step"] = time.perf_counter()
+
+        def step_post(optimizer: Any, args: Any, kwargs: Any) -> None:
+            self._stepped = True
+            self._add("step", self._open.pop("step"))
+
+        handles.append(self.optimizer.register_step_pre_hook(step_pre))
+        handles.append(self.optimizer.register_step_post_hook(step_post))
+        self._undo.extend(h.remove for h in handles)
+        self._wrap(self.optimizer, "zero_grad", "clear", instance=True)
+        if self.scaler is not None:
+            self._wrap(self.scaler, "unscale_", "unscale", instance=True)
+            self._wrap(self.scaler, "step", "skip", instance=True)
+            self._wrap(self.scaler, "update", "update scale", instance=True)
+        self._wrap(loop, "total_grad_norm", "check", instance=False)
+        self._wrap(torch.nn.utils, "clip_grad_norm_", "clip", instance=False)
+        self._wrap(torch.nn.utils, "clip_grads_with_norm_", "clip", instance=False)
+        inner = unwrap(model)
+        if isinstance(inner, DistributedDataParallel):
+            state = getattr(inner, "_accumlab_recorder_state", None)
+            if state is None:
+                state = _HookState(inner.process_group)
+                inner.register_comm_hook(state, _recording_comm_hook)
+                inner._accumlab_recorder_state = state
+            state.recorder = self
+            self._undo.append(lambda: setattr(state, "recorder", None))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        while self._undo:
+            self._undo.pop()()
+        WindowRecorder._active = False
+
+    def count(self, kind: str) -> int:
+        """How many ``kind`` events were recorded (e.g. ``"sync"``)."""
+        return sum(e.kind == kind for e in self.events)
+
+
+def record_window(
+    model: Any,
+    window: Sequence[Mapping[str, Any]],
+    optimizer: Any,
+    objective: Any,
+    **train_window_kwargs: Any,
+) -> list[WindowEvent]:
+    """Run ``accumlab.train_window(model, window, optimizer, objective, **kwargs)`` once
+    inside a :class:`WindowRecorder` and return its events in the order they happened.
+
+    Single device, e.g. in notebook 01::
+
+        events = record_window(model, window, optimizer, objective,
+                               forward=lambda m, mb: m(mb["x"]), clip_grad_norm=1.0)
+        plot_window_timeline({"one device": events})
+
+    ``scaler=`` is passed on to ``train_window`` and recorded too. Under DDP, call it on
+    every rank (it is a window like any other); the events carry the rank.
+    """
+    from ..loop import train_window
+
+    scaler = train_window_kwargs.get("scaler")
+    with WindowRecorder(model, optimizer, scaler) as recorder:
+        train_window(model, window, optimizer, objective, **train_window_kwargs)
+    return recorder.events
+
+
+@dataclass(frozen=True)
+class TimelineBox:
+    """One drawn event: its lane (row, from the top), left edge ``x``, ``width``, text and
+    kind (which sets the colour)."""
+
+    lane: int
+    x: float
+    width: float
+    label: str
+    kind: str
+
+    @property
+    def color(self) -> str:
+        """The fill colour: the kind's, red for a check that found an inf or nan."""
+        return _COLORS["skip"] if self.label == "check\ninf!" else _COLORS[self.kind]
+
+    @property
+    def text_color(self) -> str:
+        """Black on light fills, white on dark ones."""
+        return "white" if self.color in _DARK else "black"
+
+
+def timeline_boxes(
+    runs: Mapping[str, Sequence[WindowEvent]], *, order: bool = True
+) -> tuple[list[str], list[TimelineBox]]:
+    """Lay out recorded windows: one lane per run and rank, in the order given.
+
+    ``runs`` maps a run's label to its events (from one or several ranks). With
+    ``order=True`` each lane's events sit at x = 0, 1, 2, ... in the order they started (width
+    0.9: order, not duration, is what a window's correctness depends on); with ``order=False``
+    at their real time in milliseconds since the run's first event. Returns the lane labels
+    (``"label"``, or ``"label · rank r"`` when a run has several ranks) and the boxes.
+    """
+    if not isinstance(runs, Mapping) or not runs:
+        raise ValueError(
+            "runs must be a non-empty mapping from a label to a list of WindowEvent, e.g. "
+            "{'one device': record_window(...)}"
+        )
+    lanes: list[str] = []
+    boxes: list[TimelineBox] = []
+    for label, events in runs.items():
+        events = list(events)
+        if not events:
+            raise ValueError(f"runs[{label!r}] holds no events: was the window recorded?")
+        for e in events:
+            if not isinstance(e, WindowEvent):
+                raise TypeError(
+                    f"runs[{label!r}] must hold WindowEvent objects, got {type(e).__name__}"
+                )
+        t0 = min(e.start for e in events)
+        ranks = sorted({e.rank for e in events})
+        for rank in ranks:
+            lane = len(lanes)
+            lanes.append(str(label) if len(ranks) == 1 else f"{label} · rank {rank}")
+            mine = sorted((e for e in events if e.rank == rank), key=lambda e: (e.start, e.end))
+            for i, e in enumerate(mine):
+                if order:
+                    x, width = float(i), 0.9
+                else:
+                    x, width = (e.start - t0) * 1e3, max((e.end - e.start) * 1e3, 1e-3)
+                boxes.append(TimelineBox(lane, x, width, e.label, e.kind))
+    return lanes, boxes
+
+
+def plot_window_timeline(
+    runs: Mapping[str, Sequence[WindowEvent]],
+    *,
+    order: bool = True,
+    title: str | None = None,
+    ax: Axes | None = None,
+) -> Axes:
+    """Draw recorded windows (see :func:`timeline_boxes`): one lane per run and rank, one
+    labelled box per event, coloured by kind, with a legend of the kinds that occur.
+
+    ``runs`` maps a label to the events of :func:`record_window` (or a
+    :class:`WindowRecorder`), e.g. ``{"one device": events}``; DDP ranks' events of one run
+    go under one label and get a lane each. ``order=False`` draws real time (ms) instead
+    of the order axis; labels are then left out (the boxes are too narrow to read).
+    """
+    from matplotlib.patches import Patch
+
+    lanes, boxes = timeline_boxes(runs, order=order)
+    if ax is None:
+        import matplotlib.pyplot as plt
+
+        longest = max(sum(b.lane == i for b in boxes) for i in range(len(lanes)))
+        _, ax = plt.subplots(figsize=(max(6.4, 0.55 * longest + 2.5), 0.75 * len(lanes) + 1.3))
+    for b in boxes:
+        y = len(lanes) - 1 - b.lane
+        ax.barh(y, b.width, left=b.x, height=0.7, color=b.color, edgecolor="black", lw=0.5)
+        if order:
+            ax.text(
+                b.x + b.width / 2, y, b.label, ha="center", va="center", fontsize=7,
+                color=b.text_color,
+            )  # fmt: skip
+    ax.set_yticks(range(len(lanes)), list(reversed(lanes)))
+    ax.set_ylim(-0.6, len(lanes) - 0.4)
+    ax.set_xlabel("order of events" if order else "time since the window began (ms)")
+    if order:
+        ax.set_xticks([])
+    kinds = [k for k in EVENT_KINDS if any(b.kind == k for b in boxes)]
+    ax.legend(
+        handles=[Patch(facecolor=_COLORS[k], edgecolor="black", label=k) for k in kinds],
+        loc="upper center", bbox_to_anchor=(0.5, -0.08 if order else -0.25), ncol=len(kinds),
+        fontsize=7, frameon=False,
+    )  # fmt: skip
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    if title:
+        ax.set_title(title)
+    return ax
