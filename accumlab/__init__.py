@@ -21,6 +21,7 @@ from .checks import (
     inject_nonfinite,
     split_batch,
 )
+from .chunked_loss import ChunkedNextTokenLoss
 from .distributed import ExampleIdCheck, check_example_ids, launch
 from .driver import train
 from .ledger import Ledger, RunRecord, scaler_settings
@@ -38,6 +39,7 @@ __all__ = [
     "AccumulationPlan",
     "AuditReport",
     "CannotShrinkError",
+    "ChunkedNextTokenLoss",
     "ExampleIdCheck",
     "ExampleLoss",
     "GradientComparison",
