@@ -155,9 +155,26 @@ def test_sliders_keep_a_track_wide_enough_for_a_mouse():
 
 
 def test_table_cells_are_padded_apart():
-    from accumlab.course.widgets import CELL_STYLE
+    from accumlab.course.widgets import CELL_STYLE, HEADER_STYLE
 
     text = token_weighting_html(token_weighting([512, 1536], [2.0, 4.0]))
-    assert text.count("<th ") == 6 and text.count(f"<th style='{CELL_STYLE}'>") == 6
+    assert text.count("<th ") == 6 and text.count(f"<th style='{CELL_STYLE};{HEADER_STYLE}'>") == 6
     assert text.count("<td ") == text.count(CELL_STYLE) - 6  # every data cell too
     assert "padding" in CELL_STYLE
+
+
+def test_headers_never_wrap_leaving_a_lone_symbol():
+    """Issue 18: in JupyterLab the header "one target counts ×" wrapped and left "×" alone on
+    a line. Headers break only where the table says (<br>), never at a space, and "×" shares
+    its line with the words before it."""
+    import re
+
+    text = token_weighting_html(token_weighting([512, 1536, 64], [2.0, 4.0, 3.0]))
+    headers = re.findall(r"<th style='([^']*)'>(.*?)</th>", text)
+    assert len(headers) == 6
+    for style, content in headers:
+        assert "white-space:nowrap" in style.replace(" ", ""), content
+        for line in content.split("<br>"):
+            assert line.strip() not in {"×", ""}, content
+            if "×" in line:
+                assert re.search(r"\w[ \u00a0]?×", line), content

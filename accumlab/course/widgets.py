@@ -23,6 +23,9 @@ from ..plan import check_positive_int
 #: Inline style of every table cell: a gap between columns, so headers never run together.
 CELL_STYLE = "padding:2px 12px"
 
+#: Extra inline style of a header cell: lines break only where the header says so.
+HEADER_STYLE = "white-space:nowrap;vertical-align:bottom"
+
 #: Room a slider's value readout and margins take in JupyterLab (ipywidgets 8), in px,
 #: as measured by tools/check_widgets.py: the track is the width less label and this.
 READOUT_PX = 96
@@ -248,10 +251,13 @@ def token_weighting_html(result: dict[str, Any]) -> str:
     missing = [key for key in keys if key not in result]
     if missing:
         raise ValueError(f"result is missing {missing}; build it with token_weighting(...)")
+    # Headers break only at the chosen line ends (no-wrap otherwise): left to the browser,
+    # "one target counts ×" wrapped in JupyterLab and left the "×" alone on a line.
     head = "".join(
-        f"<th style='{CELL_STYLE}'>{html.escape(h)}</th>"
-        for h in ("microbatch", "targets", "mean loss (nats)", "share: token mean",
-                  "share: average of averages", "one target counts ×")
+        f"<th style='{CELL_STYLE};{HEADER_STYLE}'>"
+        + "<br>".join(html.escape(line) for line in h.split("\n")) + "</th>"
+        for h in ("microbatch", "targets", "mean loss\n(nats)", "share:\ntoken mean",
+                  "share:\naverage of averages", "one target\ncounts ×")
     )
     rows = "".join(
         f"<tr><td style='{CELL_STYLE}'>{i}</td><td style='{CELL_STYLE}'>{n}</td>"
