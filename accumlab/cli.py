@@ -5,8 +5,9 @@
     accumlab train --micro 4 --steps 8 --updates 20 --record runs/run.json
     accumlab train --updates 20 --checkpoint-dir runs/ckpt --checkpoint-every 5 --resume
 
-Exit codes: 0 success, 1 a failed check or a file that cannot be written (one line on
-stderr, never a traceback), 2 bad arguments.
+Exit codes: 0 success; 1 a failed check, a file that cannot be written or a run that
+failed (one line on stderr, never a traceback); 2 bad arguments or settings that differ
+from the checkpoint's on resume; 130 interrupted (Ctrl-C), naming the last checkpoint.
 """
 
 from __future__ import annotations
@@ -14,12 +15,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
+import json
+import math
 import os
+import pickle
 import platform
+import re
+import signal
+import stat
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -34,6 +42,15 @@ TESTED_TORCH = "2.13"
 
 #: What ``--record`` given alone parses to: write to :func:`default_record_path`.
 AUTO_RECORD = object()
+
+
+#: The file in a checkpoint directory that holds the ``train`` flags its run started with
+#: (JSON, flag -> value); ``train --resume`` refuses other values for them.
+SETTINGS_FILE = "accumlab-train-settings.json"
+
+#: Names a record must not take inside the checkpoint directory: checkpoints (final and
+#: temporary) and the settings file.
+_CHECKPOINT_FILE = re.compile(r"^\.?checkpoint-.*|^" + re.escape(SETTINGS_FILE) + "$")
 
 
 class CommandError(Exception):
@@ -174,26 +191,54 @@ def default_record_path(now: datetime | None = None) -> Path:
     return RUNS_DIR / f"train-{now:%Y%m%d-%H%M%S}.json"
 
 
-def prepare_record_path(path: str | os.PathLike[str], *, force: bool) -> Path:
-    """Check, before any training, that a record can be written at ``path``.
+def _file_kind(mode: int) -> str:
+    """What a ``stat`` mode that is not a regular file is, in words."""
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):  # fmt: skip
+        if test(mode):
+            return kind
+    return "not a regular file"
 
-    Creates the parent directories and a throw-away file beside ``path`` (proof that the
-    directory takes new files). Raises ``ValueError`` for an empty path,
-    :class:`CommandError` when ``path`` is a directory, already exists and ``force`` is
-    false, or its directory cannot be created or written.
+
+def _not_a_regular_file(path: Path) -> str | None:
+    """Why ``path`` (following symlinks) cannot take a record, or ``None`` when it is a
+    regular file or absent (a dangling symlink included)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    kind = _file_kind(mode)
+    return f"a symlink to {kind}" if path.is_symlink() else kind
+
+
+def prepare_record_path(path: str | os.PathLike[str], *, force: bool) -> Path:
+    """Check, before any training, that a record can be written at ``path``; return the
+    file to write: ``path`` itself, or the target of ``path`` when it is a symlink (the
+    link stays, its target gets the record).
+
+    Creates the parent directories and a throw-away file beside the file to write (proof
+    that the directory takes new files). Raises ``ValueError`` for an empty path and
+    :class:`CommandError` when ``path`` is (or links to) anything but a regular file (a
+    directory, a FIFO, a device: such a path is never replaced), when it already exists
+    and ``force`` is false, or when its directory cannot be created or written.
     """
     if not str(path).strip():
         raise ValueError("--record needs a file path such as runs/run.json, got an empty one")
-    target = Path(path)
-    if target.is_dir():
-        raise CommandError(f"--record {target} is a directory; give a file path such as "
-                           f"{target / 'run.json'}")
+    given = Path(path)
+    kind = _not_a_regular_file(given)
+    if kind is not None:
+        raise CommandError(f"--record {given} is {kind}, not a regular file; give a file path "
+                           f"such as {RUNS_DIR / 'run.json'}")
+    target = Path(os.path.realpath(given)) if given.is_symlink() else given
     if target.exists() and not force:
-        raise CommandError(f"{target} already exists; pass --force to overwrite it, or "
+        raise CommandError(f"{given} already exists; pass --force to overwrite it, or "
                            "choose another --record path")
     blocker = next((p for p in target.parents if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
-        raise CommandError(f"cannot write the run record to {target}: {blocker} is a file, "
+        raise CommandError(f"cannot write the run record to {given}: {blocker} is a file, "
                            "not a directory")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -201,18 +246,21 @@ def prepare_record_path(path: str | os.PathLike[str], *, force: bool) -> Path:
                                          suffix=".tmp"):
             pass
     except OSError as exc:
-        raise CommandError(f"cannot write the run record to {target}: "
+        raise CommandError(f"cannot write the run record to {given}: "
                            f"{exc.strerror or exc}") from exc
     return target
 
 
 def write_atomically(path: Path, text: str, *, force: bool) -> None:
-    """Write ``text`` to ``path`` so that ``path`` is either absent/old or complete.
+    """Write ``text`` to the regular file ``path`` so that it is either absent/old or
+    complete.
 
     The text goes to a temporary file in the same directory, is flushed to disk, then
-    renamed over ``path`` (``os.replace``, atomic on POSIX and Windows). Without
-    ``force``, a file that appeared at ``path`` meanwhile is left alone
-    (:class:`CommandError`). The temporary file is removed on any failure.
+    renamed over ``path`` (``os.replace``, atomic on POSIX and Windows); a file replaced
+    keeps its permission bits. Without ``force``, a file that appeared at ``path``
+    meanwhile is left alone (:class:`CommandError`); so is anything at ``path`` that is
+    not a regular file, even with ``force`` (resolve a symlink first, as
+    :func:`prepare_record_path` does). The temporary file is removed on any failure.
     """
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -220,17 +268,113 @@ def write_atomically(path: Path, text: str, *, force: bool) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only; a record is not secret
-        if path.exists() and not force:
+        try:
+            old = os.lstat(path).st_mode
+        except FileNotFoundError:
+            old = None
+        if old is not None and not stat.S_ISREG(old):
+            raise CommandError(f"{path} is {_file_kind(old)} now, not a regular file; it was "
+                               "left alone")
+        if old is not None and not force:
             raise CommandError(f"{path} appeared during training; pass --force to overwrite "
                                "it, or choose another --record path")
+        if old is None:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only; a record is not secret
+        else:
+            os.chmod(tmp, stat.S_IMODE(old))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def check_record_beside_checkpoints(record: Path, checkpoint_dir: str | os.PathLike[str]) -> None:
+    """``ValueError`` when the record and the checkpoints would take the same path: the
+    record is the checkpoint directory, lies above it, or takes the name of a checkpoint
+    or of the settings file inside it. A record with another name inside it is fine."""
+    rec = Path(os.path.realpath(record))
+    ckpt = Path(os.path.realpath(checkpoint_dir))
+    why = None
+    if rec == ckpt:
+        why = "they are the same path"
+    elif rec in ckpt.parents:
+        why = "the checkpoint directory would lie inside the record file"
+    elif rec.parent == ckpt and _CHECKPOINT_FILE.match(rec.name):
+        why = f"{rec.name} is a name the checkpoint directory uses for its own files"
+    if why is not None:
+        raise ValueError(f"--record {record} and --checkpoint-dir {os.fspath(checkpoint_dir)} "
+                         f"collide ({why}); give --record a path such as "
+                         f"{Path(os.fspath(checkpoint_dir)) / 'run.json'} or {RUNS_DIR / 'run.json'}")
+
+
+def check_hyper_parameters(args: argparse.Namespace) -> None:
+    """``ValueError`` naming ``--lr`` or ``--clip`` when it is not a positive, finite number."""
+    for flag, value in (("--lr", args.lr), ("--clip", args.clip)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} must be a positive, finite number, got {value}")
+
+
+def run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``train`` flags a checkpoint fixes, flag -> value: the plan (``--micro``,
+    ``--steps``, ``--last-window``), the data (``--examples``, ``--seed``: the shuffle),
+    ``--precision``, ``--lr`` and ``--clip``. ``--updates`` and ``--checkpoint-every``
+    may change on resume."""
+    return {"--micro": args.micro, "--steps": args.steps, "--last-window": args.last_window,
+            "--examples": args.examples, "--seed": args.seed, "--precision": args.precision,
+            "--lr": args.lr, "--clip": args.clip}  # fmt: skip
+
+
+def _shown(flag: str, value: Any) -> str:
+    if value is None:
+        return f"{flag} {'all' if flag == '--examples' else 'none'}"
+    return f"{flag} {value}"
+
+
+def _settings_in_checkpoint(directory: Path) -> dict[str, Any]:
+    """What the newest readable checkpoint in ``directory`` stores of :func:`run_settings`
+    (for a directory written without a settings file): the plan, the precision, the
+    learning rate and the clipping. Empty when no checkpoint can be read (resume itself
+    then reports why)."""
+    from . import checkpoint
+
+    for attempts in checkpoint.list_checkpoints(directory):
+        try:
+            state = checkpoint.load_checkpoint(checkpoint.checkpoint_path(directory, attempts))
+            plan = state["plan"]
+            return {"--micro": plan["micro_batch_size"], "--steps": plan["accumulation_steps"],
+                    "--last-window": plan["last_window"], "--precision": state["precision"],
+                    "--lr": state["optimizer"]["param_groups"][0]["lr"],
+                    "--clip": state["ledger"]["settings"].get("clip_grad_norm")}  # fmt: skip
+        except Exception:  # a damaged or foreign file: resume reports it
+            continue
+    return {}
+
+
+def check_resume_settings(directory: Path, settings: dict[str, Any]) -> None:
+    """Refuse to resume the run in ``directory`` with flags other than its own.
+
+    The flags come from the directory's :data:`SETTINGS_FILE` (written when the run
+    started), else from what its newest checkpoint stores. Raises ``ValueError`` naming
+    every flag that differs, with the value given and the run's, and the two ways out.
+    """
+    try:
+        saved = json.loads((directory / SETTINGS_FILE).read_text(encoding="utf-8"))
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError):
+        saved = _settings_in_checkpoint(directory)
+    changed = [flag for flag in settings if flag in saved and saved[flag] != settings[flag]]
+    if changed:
+        given = ", ".join(_shown(f, settings[f]) for f in changed)
+        used = ", ".join(_shown(f, saved[f]) for f in changed)
+        raise ValueError(
+            f"cannot resume the run in --checkpoint-dir {directory} with {given}: it ran with "
+            f"{used}, and a resumed run must keep them (a record would state values that were "
+            f"not used). Resume with {used}, or start a new run with another --checkpoint-dir"
+        )
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -244,45 +388,71 @@ def _train(args: argparse.Namespace) -> int:
     from .objectives import NextTokenLoss
     from .plan import AccumulationPlan
 
+    check_hyper_parameters(args)
     plan = AccumulationPlan(args.micro, args.steps, last_window=args.last_window)
     if args.checkpoint_dir is None and (args.checkpoint_every is not None or args.resume):
         raise ValueError("--checkpoint-every and --resume need --checkpoint-dir DIR (e.g. runs/ckpt)")
     checkpoint.check_arguments(args.checkpoint_dir, args.checkpoint_every, args.resume)
-    if args.checkpoint_dir and not args.resume and checkpoint.list_checkpoints(args.checkpoint_dir):
+    done = checkpoint.list_checkpoints(args.checkpoint_dir) if args.checkpoint_dir else []
+    if done and not args.resume:
         raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints; add "
                          "--resume to continue that run, or choose another directory")
-    record_path = None
+    record_path = shown_path = None
     if args.record is not None:
         path = default_record_path() if args.record is AUTO_RECORD else args.record
+        if args.checkpoint_dir and str(path).strip():
+            check_record_beside_checkpoints(Path(path), args.checkpoint_dir)
         record_path = prepare_record_path(path, force=args.force)
+        shown_path = Path(path)
 
-    if args.resume:
-        done = checkpoint.list_checkpoints(args.checkpoint_dir)
-        print(f"resuming from {checkpoint.checkpoint_path(args.checkpoint_dir, done[0])}" if done
-              else f"no checkpoint in {args.checkpoint_dir} yet: starting fresh")  # fmt: skip
+    if args.checkpoint_dir:
+        directory = Path(args.checkpoint_dir)
+        if done:
+            check_resume_settings(directory, run_settings(args))
+            print(f"resuming from {checkpoint.checkpoint_path(directory, done[0])}")
+        else:
+            if args.resume:
+                print(f"no checkpoint in {directory} yet: starting fresh")
+            try:  # also proves, before training, that the directory takes files
+                directory.mkdir(parents=True, exist_ok=True)
+                write_atomically(directory / SETTINGS_FILE, json.dumps(run_settings(args)) + "\n",
+                                 force=True)
+            except OSError as exc:
+                raise CommandError(f"cannot write to --checkpoint-dir {directory}: "
+                                   f"{exc.strerror or exc}") from exc
     torch.manual_seed(args.seed)
     examples = data.load_examples(limit=args.examples)
     batches = data.microbatches(examples, plan.micro_batch_size, shuffle=True, seed=args.seed)
     model = TinyGPT(data.VOCAB_SIZE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     objective = NextTokenLoss()
-    ledger = train(
-        model,
-        batches,
-        optimizer,
-        plan,
-        objective,
-        max_updates=args.updates,
-        precision=args.precision,
-        clip_grad_norm=args.clip,
-        progress=not args.quiet,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
-    )
-    # precision, unit and the optimizer come from the ledger (train() notes what it used)
-    extra = {"seed": args.seed, "learning_rate": args.lr, "data_examples": len(examples),
-             "model": "TinyGPT"}
+    attempts = {"n": 0}
+    try:
+        ledger = train(
+            model,
+            batches,
+            optimizer,
+            plan,
+            objective,
+            max_updates=args.updates,
+            precision=args.precision,
+            clip_grad_norm=args.clip,
+            progress=not args.quiet,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
+            on_update=lambda report: attempts.update(n=attempts["n"] + 1),
+        )
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as exc:
+        if not (done and attempts["n"] == 0):
+            raise
+        raise CommandError(f"resuming from {args.checkpoint_dir} (newest checkpoint "
+                           f"{checkpoint.checkpoint_path(args.checkpoint_dir, done[0]).name}) "
+                           f"failed before the first update attempt: {_one_line(exc)}") from exc
+    # Precision, unit and the optimizer come from the ledger (train() notes what it used);
+    # the learning rate is the optimizer's own after the run, the one every update used.
+    extra = {"seed": args.seed, "learning_rate": optimizer.param_groups[0]["lr"],
+             "data_examples": len(examples), "model": "TinyGPT"}  # fmt: skip
     record = RunRecord.from_run(plan, ledger, extra=extra)
     print(ledger.summary())
     print(record.to_markdown())
@@ -292,14 +462,22 @@ def _train(args: argparse.Namespace) -> int:
             write_atomically(record_path, text, force=args.force)
         except (OSError, CommandError) as exc:
             print(text, end="")  # the run is not lost: its record goes to stdout instead
-            raise CommandError(f"could not write the run record to {record_path} ({exc}); "
+            raise CommandError(f"could not write the run record to {shown_path} ({exc}); "
                                "its JSON is printed above") from exc
-        print(f"run record written to {record_path}")
+        print(f"run record written to {shown_path}")
     return 0
 
 
+def _plain(text: str) -> str:
+    """``text`` without reST markup (````x```` and ``:role:`x``` become x), for ``--help``."""
+    return re.sub(r"(?::\w+:)?`+([^`]+)`+", r"\1", text)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="accumlab", description=__doc__.splitlines()[0])
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="accumlab", description=_plain(__doc__.splitlines()[0]))
+    parser.add_argument("--version", action="version", version=f"accumlab {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     e = sub.add_parser("env", help="print versions, threads and devices")
@@ -321,13 +499,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--examples", type=int, default=None, help="use only the first N examples")
     t.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     t.add_argument("--last-window", choices=["update", "drop"], default="update")
-    t.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    t.add_argument("--clip", type=float, default=None, help="clip the window's gradient norm")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (positive, finite)")
+    t.add_argument("--clip", type=float, default=None,
+                   help="clip the window's gradient norm to this (positive, finite)")
+    t.add_argument("--seed", type=int, default=0, help="model initialisation and data shuffle")
     t.add_argument("--record", nargs="?", const=AUTO_RECORD, default=None, metavar="PATH",
-                   help=f"write the run record as JSON to PATH (alone: "
-                        f"{RUNS_DIR}/train-YYYYMMDD-HHMMSS.json); checked before training")
-    t.add_argument("--force", action="store_true", help="overwrite an existing record")
+                   help=f"write the run record as JSON to PATH, a regular file or a symlink "
+                        f"to one (alone: {RUNS_DIR}/train-YYYYMMDD-HHMMSS.json); checked "
+                        "before training")
+    t.add_argument("--force", action="store_true",
+                   help="overwrite an existing record (through a symlink: its target)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help=f"write checkpoints to DIR (e.g. {RUNS_DIR}/ckpt): after every "
@@ -336,21 +517,76 @@ def build_parser() -> argparse.ArgumentParser:
                    help="update attempts between checkpoints (needs --checkpoint-dir)")
     t.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint-dir (fresh start "
-                        "when there is none); --updates then counts the whole run")
+                        "when there is none) with the same flags as the run that wrote it; "
+                        "--updates then counts the whole run")
     t.set_defaults(run=_train)
     return parser
 
 
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (its lines joined), or its type's name."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+@contextlib.contextmanager
+def _one_line_warnings() -> Iterator[None]:
+    """Show every warning as ``accumlab: warning: <message>`` on one stderr line."""
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+             line: Any = None) -> None:  # fmt: skip
+        print(f"accumlab: warning: {' '.join(str(message).split())}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
+@contextlib.contextmanager
+def _ignoring_sigint() -> Iterator[None]:
+    """Ignore SIGINT inside the block (where the process can: in its main thread)."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted(args: argparse.Namespace) -> str:
+    """The line printed on Ctrl-C: where the run can be continued from."""
+    directory = getattr(args, "checkpoint_dir", None)
+    if getattr(args, "command", None) != "train":
+        return "accumlab: interrupted"
+    if not directory:
+        return "accumlab: interrupted; no checkpoint was written (no --checkpoint-dir)"
+    from . import checkpoint
+
+    done = checkpoint.list_checkpoints(directory)
+    if not done:
+        return f"accumlab: interrupted; no checkpoint was written to {directory} yet"
+    return (f"accumlab: interrupted; the last checkpoint written is "
+            f"{checkpoint.checkpoint_path(directory, done[0])}: continue with the same command "
+            "and --resume")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return int(args.run(args))
-    except (ValueError, TypeError) as exc:
-        print(f"accumlab: error: {exc}", file=sys.stderr)
-        return 2
-    except (CommandError, OSError) as exc:
-        print(f"accumlab: error: {exc}", file=sys.stderr)
-        return 1
+    with _one_line_warnings():
+        try:
+            return int(args.run(args))
+        except KeyboardInterrupt:
+            with _ignoring_sigint():  # a second Ctrl-C while the line is printed: no traceback
+                print(_interrupted(args), file=sys.stderr)
+            return 130
+        except (ValueError, TypeError) as exc:
+            print(f"accumlab: error: {_one_line(exc)}", file=sys.stderr)
+            return 2
+        except (CommandError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+            print(f"accumlab: error: {_one_line(exc)}", file=sys.stderr)
+            return 1
 
 
 if __name__ == "__main__":

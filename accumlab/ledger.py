@@ -302,6 +302,33 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def sizes_after_halving(micro_batch_size: int, halvings: int, keep_empty: bool = False) -> tuple[int, int]:
+    """``(largest microbatch, microbatches)`` that one loader microbatch of
+    ``micro_batch_size`` examples becomes after ``halvings`` OOM shrinks (``accumlab.oom``
+    cuts each piece into its first ``ceil(n/2)`` and last ``floor(n/2)`` examples; an
+    empty half is kept only under data parallelism, ``keep_empty``)."""
+    pieces = [micro_batch_size]
+    for _ in range(halvings):
+        pieces = [h for n in pieces for h in ((n + 1) // 2, n // 2) if h > 0 or keep_empty]
+    return max(pieces), len(pieces)
+
+
+def _shrinks_of(plan: AccumulationPlan, shrinks: list[dict[str, int]]) -> list[dict[str, int]]:
+    """Each OOM shrink of a run as the plan it changed: the update attempt (0-based) from
+    which it applied and ``from_``/``to_`` microbatch size and accumulation steps."""
+    keep_empty = plan.data_parallel_size > 1
+    out = []
+    m, a = plan.micro_batch_size, plan.accumulation_steps
+    for k, shrink in enumerate(shrinks, start=1):
+        largest, pieces = sizes_after_halving(plan.micro_batch_size, k, keep_empty)
+        new_a = plan.accumulation_steps * pieces
+        out.append({"update": int(shrink["update"]), "from_micro_batch_size": m,
+                    "from_accumulation_steps": a, "to_micro_batch_size": largest,
+                    "to_accumulation_steps": new_a})  # fmt: skip
+        m, a = largest, new_a
+    return out
+
+
 def _chosen(given: str | None, used: str | None, default: str) -> str:
     """The value a record shows: the caller's, else what the run used, else ``default``."""
     return given if given is not None else used if used is not None else default
@@ -321,6 +348,16 @@ class RunRecord:
     of the first and last applied update), ``grad_norm_first``/``grad_norm_last``/
     ``grad_norm_largest`` (the L2 norm of the combined, unscaled gradient before clipping
     of the first, last and largest applied update) and ``largest_microbatch`` (examples).
+
+    The plan that ran: ``micro_batch_size`` and ``accumulation_steps`` are the sizes the
+    run's last update used, which after an OOM shrink (``train(..., on_oom="shrink")``)
+    are not the plan given: ``planned_micro_batch_size`` and ``planned_accumulation_steps``
+    keep that, and ``shrinks`` lists each shrink as the update attempt (0-based) from
+    which it applied with ``from_``/``to_`` ``micro_batch_size`` and
+    ``accumulation_steps`` (``micro_batch_size`` is the largest microbatch: an odd size
+    halves into unequal pieces). ``effective_batch_size`` (examples per update) does not
+    change. Without a shrink both pairs are the plan given and ``shrinks`` is empty.
+    ``extra["oom_shrinks"]`` keeps the ledger's own shrink entries, as before.
     """
 
     micro_batch_size: int
@@ -357,6 +394,15 @@ class RunRecord:
     grad_norm_last: float | None = None
     grad_norm_largest: float | None = None
     largest_microbatch: int = 0
+    planned_micro_batch_size: int | None = None  # None (a record from before): micro_batch_size
+    planned_accumulation_steps: int | None = None
+    shrinks: list[dict[str, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.planned_micro_batch_size is None:
+            self.planned_micro_batch_size = self.micro_batch_size
+        if self.planned_accumulation_steps is None:
+            self.planned_accumulation_steps = self.accumulation_steps
 
     @classmethod
     def from_run(
@@ -422,9 +468,11 @@ class RunRecord:
             extra = {"oom_shrinks": shrinks, **(extra or {})}
         losses = ledger.losses
         applied = [r for r in ledger.reports if r.applied]
+        shrunk = _shrinks_of(plan, shrinks)
+        ran = shrunk[-1] if shrunk else None
         return cls(
-            micro_batch_size=plan.micro_batch_size,
-            accumulation_steps=plan.accumulation_steps,
+            micro_batch_size=ran["to_micro_batch_size"] if ran else plan.micro_batch_size,
+            accumulation_steps=ran["to_accumulation_steps"] if ran else plan.accumulation_steps,
             data_parallel_size=plan.data_parallel_size,
             effective_batch_size=plan.effective_batch_size,
             last_window=plan.last_window,
@@ -457,6 +505,9 @@ class RunRecord:
             grad_norm_last=_finite_or_none(applied[-1].grad_norm) if applied else None,
             grad_norm_largest=max(r.grad_norm for r in applied) if applied else None,
             largest_microbatch=ledger.largest_microbatch,
+            planned_micro_batch_size=plan.micro_batch_size,
+            planned_accumulation_steps=plan.accumulation_steps,
+            shrinks=shrunk,
         )
 
     @classmethod
