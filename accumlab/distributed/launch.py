@@ -15,6 +15,7 @@ import os
 import pickle
 import queue as queue_module
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -196,6 +197,47 @@ def _stop(processes: Sequence[Any]) -> None:
             p.join(timeout=5)
 
 
+#: Seconds ``launch`` waits, after a worker reports an error, for a peer's process to show
+#: that it died (killed or crashed) first: a survivor's "Connection reset by peer" is the
+#: consequence of that death, not its cause.
+DEATH_GRACE_S = 0.5
+
+
+def _how_it_ended(exitcode: int) -> str:
+    """``killed by signal SIGKILL (exit code -9)`` or ``exited with code 3``."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = str(-exitcode)
+        return f"was killed by signal {name} (exit code {exitcode})"
+    return f"exited with code {exitcode}"
+
+
+def _died(processes: Sequence[Any], alive_or_reported: set[int], grace_s: float) -> int | None:
+    """The first rank, not in ``alive_or_reported``, whose process ended with a nonzero exit
+    code (a worker that reports an error still exits with 0), waiting up to ``grace_s``
+    seconds for one to show; ``None`` if none did."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        for rank, p in enumerate(processes):
+            if rank not in alive_or_reported and p.exitcode not in (None, 0):
+                return rank
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.02)
+
+
+def _death_error(rank: int, exitcode: int, log_path: str, after: str = "") -> RuntimeError:
+    output = _log_tail(log_path) or "(no output)"
+    exc = RuntimeError(
+        f"launch: rank {rank} {_how_it_ended(exitcode)} before returning a result (crashed or "
+        f"killed){after}. Its output:\n{output}"
+    )
+    exc.rank = rank  # type: ignore[attr-defined]
+    return exc
+
+
 def launch(
     fn: Callable[..., T],
     nprocs: int = 2,
@@ -219,7 +261,11 @@ def launch(
 
     Returns the results in rank order. On the first failure every worker is stopped and
     the worker's exception is re-raised here, same type, its message prefixed with
-    ``rank r:``, its ``.rank`` set and the worker's traceback as ``__cause__``.
+    ``rank r:``, its ``.rank`` set and the worker's traceback as ``__cause__``. A rank
+    whose process died (killed by a signal, or crashed) is the failure reported, as a
+    ``RuntimeError`` naming the rank and the signal or exit code, with its ``.rank`` set,
+    even when a peer reported its own error first (a survivor's "Connection reset by
+    peer" follows from the death; its traceback is the ``__cause__``).
     ``deadline_s`` bounds the whole run's wall time (``TimeoutError`` after stopping the
     workers); ``None`` waits for as long as the workers run.
     """
@@ -272,14 +318,17 @@ def launch(
                         continue
                     # a result may still be in the pipe: give it a moment before concluding
                     if now - silent_since.setdefault(rank, now) > 2.0:
-                        output = _log_tail(log_paths[rank]) or "(no output)"
-                        raise RuntimeError(
-                            f"launch: rank {rank} exited with code {p.exitcode} before "
-                            f"returning a result (crashed or killed). Its output:\n{output}"
-                        ) from None
+                        raise _death_error(rank, p.exitcode, log_paths[rank]) from None
                 continue
             if kind == "error":
                 exc_payload, text = payload
+                dead = _died(processes, {rank, *received}, DEATH_GRACE_S)
+                if dead is not None:
+                    first = (text.strip().splitlines() or ["an error"])[-1]
+                    raise _death_error(
+                        dead, processes[dead].exitcode, log_paths[dead],
+                        f"; rank {rank} failed after it: {first}",
+                    ) from WorkerTraceback(text)
                 try:
                     exc = pickle.loads(exc_payload)
                 except Exception:
