@@ -1,5 +1,5 @@
-"""Exercises of notebooks 03-05: every checker passes its reference solution and names each
-usual wrong answer; the committed notebooks ship every exercise unsolved (a stub, and a
+"""Exercises of notebooks 03-04 (05's: test_exercises_05.py): every checker passes its
+reference solution and names each usual wrong answer; the committed notebooks ship every exercise unsolved (a stub, and a
 checker cell that prints the "not attempted yet" line instead of asserting).
 
 ``ex04.ddp_window`` is checked on two gloo ranks: all its answers go through one launch.
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from accumlab.course.exercises import NOT_ATTEMPTED, ex03, ex04, ex05
+from accumlab.course.exercises import NOT_ATTEMPTED, ex03, ex04
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
@@ -128,7 +128,6 @@ def test_stubs_print_the_not_attempted_line(capsys):
         ex03.window_boundary,
         ex04.padding_plan,
         ex04.ddp_window,
-        ex05.window_without_leaks,
     ):
         assert exercise.check(stub) is False
         out = capsys.readouterr().out
@@ -334,75 +333,6 @@ def test_ddp_window_needs_source_it_can_send():
     assert "def in a cell" in ex04._run([print])[0]  # a builtin has no Python source
 
 
-# ---------------------------------------------------------------- 05: one window, one float
-
-
-def test_window_without_leaks_passes_the_reference(capsys):
-    assert ex05.window_without_leaks.check(ex05.reference_train_window)
-    assert "✅ window_without_leaks: correct" in capsys.readouterr().out
-
-
-def _leaky(kind):
-    def answer(model, window, optimizer, objective):
-        optimizer.zero_grad(set_to_none=True)
-        total = sum(objective.count(mb) for mb in window)
-        loss_sum = 0.0
-        for mb in window:
-            part = objective.loss_sum(model(mb["input_ids"]), mb)
-            (part / total).backward()
-            loss_sum = loss_sum + (part if kind == "tensor" else part.item())
-        optimizer.step()
-        if kind == "per mean":
-            return loss_sum / len(window)
-        return loss_sum / total
-
-    return answer
-
-
-def _mean_of_means(model, window, optimizer, objective):
-    optimizer.zero_grad(set_to_none=True)
-    logged = 0.0
-    for mb in window:
-        part = objective.loss_sum(model(mb["input_ids"]), mb)
-        (part / objective.count(mb) / len(window)).backward()  # the average of averages
-        logged += part.item()
-    optimizer.step()
-    return logged / sum(objective.count(mb) for mb in window)  # the right value, logged
-
-
-KEPT = []
-
-
-def _keeps_outputs(model, window, optimizer, objective):
-    optimizer.zero_grad(set_to_none=True)
-    total = sum(objective.count(mb) for mb in window)
-    logged = 0.0
-    for mb in window:
-        output = model(mb["input_ids"])
-        KEPT.append(output.logits.detach())  # kept across windows: live bytes grow
-        part = objective.loss_sum(output, mb)
-        (part / total).backward()
-        logged += part.item()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return logged / total
-
-
-@pytest.mark.parametrize(
-    ("wrong", "named"),
-    [
-        (_leaky("tensor"), "returned a tensor with its autograd graph"),
-        (_leaky("per mean"), "expected the mean loss per target"),
-        (_mean_of_means, "divide each microbatch's loss sum by the window's target count"),
-        (_keeps_outputs, "live bytes grew after every window"),
-    ],
-)
-def test_window_without_leaks_names_each_mistake(wrong, named, capsys):
-    assert not ex05.window_without_leaks.check(wrong)
-    out = capsys.readouterr().out
-    assert out.startswith("❌ window_without_leaks:") and named in out, out
-
-
 # ---------------------------------------------------------------- the committed notebooks
 
 
@@ -412,7 +342,6 @@ EXERCISES = {
         "ex03.window_boundary": "window_boundary",
     },
     "04_ddp_no_sync.ipynb": {"ex04.padding_plan": "padding_plan", "ex04.ddp_window": "ddp_window"},
-    "05_memory_instrumentation.ipynb": {"ex05.window_without_leaks": "train_one_window"},
 }
 
 

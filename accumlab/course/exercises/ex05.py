@@ -1,159 +1,340 @@
 """Exercises for notebook 05 (memory instrumentation).
 
-- ``window_without_leaks``: write one update from one window *and* the number a training
-  log keeps, ``train_one_window(model, window, optimizer, objective) -> float``. ``window``
-  is a list of microbatches (mappings with ``input_ids`` and ``labels``), ``objective`` a
-  ``NextTokenLoss``. The function clears the gradients, backpropagates every microbatch's
-  ``loss_sum / count(window)``, steps the optimizer once, and returns the window's mean
-  loss per target as a Python ``float``. Whatever it returns is kept by the caller in a
-  list for the whole run, so it must not hold a tensor, a graph or anything else that
-  grows window after window.
+Two predict-first questions, answered with a number before the cell that measures it:
 
-The checker runs the answer for several windows on a fresh tiny GPT, keeping every
-returned value as a logging loop would, with a :class:`~accumlab.memory.MemoryMeter`
-tracking every tensor the answer allocates. It checks the type of the returned value, the
-value against the reference, the weights after the last update, and that the live bytes
-after each window stay flat once the first update is done.
+- ``momentum_baseline``: with SGD + momentum, the live bytes at the start of the *second*
+  window, in units of the weights (a ``float``). The checker measures it on a tiny GPT.
+- ``sum_then_backward_extra``: a loop that sums the window's losses and calls ``backward``
+  once, at ``A = 8`` microbatches of 2: how many microbatches' saved activations above the
+  same loop at ``A = 1`` does its peak hold (a ``float``)?
+
+Two transfer exercises (the notebook shows the rule, not these cases):
+
+- ``shrink_plan``: ``shrink_plan(m, A, D, largest) -> list[int]``. A run planned as
+  ``m`` examples per microbatch, ``A`` microbatches per window and ``D`` replicas ran out
+  of memory; at most ``largest`` examples fit in one microbatch. Return one replica's
+  microbatch sizes for the same window after the shrink: every example kept (the sizes sum
+  to ``m * A``), each at most ``largest``, as few microbatches as possible, sizes differing
+  by at most one. ``largest < 1`` raises ``ValueError`` (accumulation cannot split one
+  example).
+- ``plan_under_budget``: ``plan_under_budget(peaks, budget, effective_batch, replicas=1)
+  -> tuple[int, int]``. ``peaks`` maps a few measured microbatch sizes to the peak bytes of
+  a steady window (a fixed part plus a part proportional to ``m``); return ``(m, A)`` with
+  ``m * A * replicas == effective_batch``, the predicted peak at ``m`` within ``budget``,
+  and ``m`` as large as possible (``m`` need not be one of the measured sizes). Raise
+  ``ValueError`` when no ``m`` fits, or when ``replicas`` does not divide the batch.
+
+Each checker names the usual mistakes: examples dropped or divided among replicas, a
+microbatch that still does not fit, halving more than needed, only the measured sizes
+tried, an ``m`` that does not divide the window, the smallest ``m`` instead of the largest.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch import Tensor, nn
 
-from ...memory import MemoryMeter, format_bytes
-from ...objectives import NextTokenLoss, Objective
+from ...loop import train_window
+from ...memory import MemoryMeter
+from ...objectives import NextTokenLoss
 from ..data import VOCAB_SIZE
 from ..models import TinyGPT
 from . import Exercise
 
-#: Relative tolerance on logged losses and weights (float32, same order of operations).
-RTOL = 1e-4
-WINDOWS = 4
+# ---------------------------------------------------------------- predict first
 
 
-def reference_train_window(
-    model: nn.Module,
-    window: Sequence[Mapping[str, Tensor]],
-    optimizer: torch.optim.Optimizer,
-    objective: Objective,
-) -> float:
-    """One update from ``window``; returns its mean loss per target as a float."""
-    optimizer.zero_grad(set_to_none=True)
-    total = sum(objective.count(mb) for mb in window)  # the window's targets, before any forward
-    loss_sum = 0.0
-    for mb in window:
-        part = objective.loss_sum(model(mb["input_ids"]), mb)
-        (part / total).backward()
-        loss_sum += part.item()  # a Python float: no tensor, no graph survives the microbatch
-        del part
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss_sum / total
+def _number(answer: Any) -> float | str:
+    """The prediction as a float, or the message for an answer that is not a number."""
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)):
+        return f"expected a number (an int or a float), got {type(answer).__name__}"
+    return float(answer)
 
 
-def _data(seed: int) -> list[list[dict[str, Tensor]]]:
-    """``WINDOWS`` windows of two microbatches with unequal lengths and masked prompts."""
-    g = torch.Generator().manual_seed(seed)
-    windows = []
-    for _ in range(WINDOWS):
-        window = []
-        for rows, seq in ((2, 12), (3, 7)):
-            ids = torch.randint(2, VOCAB_SIZE, (rows, seq), generator=g)
-            labels = ids.clone()
-            labels[:, :3] = -100  # a prompt of three tokens is not supervised
-            window.append({"input_ids": ids, "labels": labels})
-        windows.append(window)
-    return windows
-
-
-def _model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return TinyGPT(VOCAB_SIZE, block_size=16, n_layer=1, n_head=2, n_embd=16)
-
-
-def _run(
-    fn: Callable[..., Any], model: nn.Module, windows: list[list[dict[str, Tensor]]]
-) -> tuple[list[Any], list[int]]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    objective = NextTokenLoss()
-    meter = MemoryMeter("cpu")
-    logged: list[Any] = []  # kept for the whole run, as a training log would
-    live: list[int] = []
-    with meter.track():
-        for window in windows:
-            logged.append(fn(model, window, optimizer, objective))
-            live.append(meter.live_bytes)
-    return logged, live
-
-
-def check_train_one_window(answer: Callable[..., Any]) -> str | None:
-    """None when ``answer`` returns the right floats, trains the weights like the reference,
-    and leaves the live bytes flat from window to window; else what went wrong."""
-    if not callable(answer):
-        return f"expected a function, got {type(answer).__name__}"
+def measured_momentum_baseline() -> float:
+    """Live bytes at the start of the second window with SGD + momentum, in weights."""
     with torch.random.fork_rng(devices=[]):
-        windows = _data(5)
-        base = _model(5)
-        model = copy.deepcopy(base)
-        expected, _ = _run(reference_train_window, copy.deepcopy(base), windows)
-        reference_model = copy.deepcopy(base)
-        _run(reference_train_window, reference_model, windows)
-        got, live = _run(answer, model, windows)
-    for i, value in enumerate(got):
-        if isinstance(value, Tensor):
-            graph = " with its autograd graph" if value.grad_fn is not None else ""
-            return (
-                f"window {i} returned a tensor{graph}; the caller keeps every returned value, "
-                "so return a Python float (loss.item(), or accumulate floats)"
-            )
-        if not isinstance(value, (float, int)):
-            return f"window {i} returned a {type(value).__name__}; return a Python float"
-    # Window 0 runs at the same weights as the reference: its value alone says whether the
-    # logged number is right. Later values also depend on the updates, checked next.
-    if abs(got[0] - expected[0]) > RTOL * abs(expected[0]):
-        return _value_problem(0, got[0], expected[0])
-    for (name, p), q in zip(model.named_parameters(), reference_model.parameters(), strict=True):
-        scale = float(q.detach().abs().max())
-        if float((p.detach() - q.detach()).abs().max()) > RTOL * max(scale, 1e-12):
-            return (
-                f"the weights differ from the reference after {WINDOWS} windows (first at "
-                f"{name}): clear gradients once per window, divide each microbatch's loss sum "
-                "by the window's target count, step once per window"
-            )
-    for i, (value, ref) in enumerate(zip(got, expected, strict=True)):
-        if abs(value - ref) > RTOL * abs(ref):
-            return _value_problem(i, value, ref)
-    growth = [b - a for a, b in zip(live[1:], live[2:], strict=False)]
-    if any(g > 0 for g in growth):
+        torch.manual_seed(0)
+        model = TinyGPT(VOCAB_SIZE, block_size=16, n_layer=1, n_head=2, n_embd=16)
+        ids = torch.randint(2, VOCAB_SIZE, (4, 12))
+    window = [{"input_ids": ids[:2], "labels": ids[:2]}, {"input_ids": ids[2:], "labels": ids[2:]}]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    meter = MemoryMeter("cpu")
+    for _ in range(2):
+        train_window(model, window, optimizer, NextTokenLoss(), meter=meter)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return meter.windows[1].baseline_bytes / weights
+
+
+def check_momentum_baseline(answer: Any) -> str | None:
+    """None when the prediction is the measured baseline (within 0.01), else why not."""
+    value = _number(answer)
+    if isinstance(value, str):
+        return value
+    expected = measured_momentum_baseline()
+    if abs(value - expected) <= 0.01:
+        return None
+    known = (
+        (expected + 1, "you counted the gradients too: the update clears them "
+         "(zero_grad(set_to_none=True)), so none exist between windows"),
+        (expected - 1, "weights only: momentum keeps one buffer per parameter, created at "
+         "the first update and kept for the whole run"),
+    )
+    for wrong, message in known:
+        if abs(value - wrong) <= 0.01:
+            return f"{value:g} × weights: {message}"
+    return (
+        f"{value:g} × weights, measured {expected:.2f}: the baseline holds the weights and "
+        "whatever the optimizer keeps between updates"
+    )
+
+
+def check_sum_then_backward_extra(answer: Any) -> str | None:
+    """None when the prediction is A - 1 = 7 microbatches (within 0.5), else why not."""
+    value = _number(answer)
+    if isinstance(value, str):
+        return value
+    steps = 8
+    if abs(value - (steps - 1)) <= 0.5:
+        return None
+    if abs(value - steps) <= 0.5:
         return (
-            f"the live bytes grew after every window ({', '.join(format_bytes(g) for g in growth)}"
-            "): something keeps a tensor alive across windows (a list of losses, an output)"
+            f"{value:g}: the loop at A = 1 already holds one microbatch's activations at its "
+            f"peak; the extra is the other A - 1 = {steps - 1}"
+        )
+    if abs(value) <= 0.5:
+        return (
+            f"{value:g}: that is backward per microbatch; here every microbatch's graph, with "
+            "its saved activations, waits for the one backward at the end of the window"
+        )
+    return f"{value:g}: every microbatch's saved activations stay alive until the one backward"
+
+
+momentum_baseline = Exercise(
+    name="momentum_baseline",
+    checker=check_momentum_baseline,
+    hints=(
+        "List what is live between two windows: the weights, the gradients?, the optimizer's "
+        "state?",
+        "train_window ends with zero_grad(set_to_none=True); SGD with momentum keeps one "
+        "buffer the size of each parameter.",
+    ),
+    reference="momentum_baseline = 2.0  # weights (1) + momentum buffers (1); gradients cleared",
+)
+
+sum_then_backward_extra = Exercise(
+    name="sum_then_backward_extra",
+    checker=check_sum_then_backward_extra,
+    hints=(
+        "Until the single backward, which microbatches' graphs (and saved activations) are "
+        "alive?",
+        "All A of them; the loop at A = 1 holds one at its peak as well.",
+    ),
+    reference="sum_then_backward_extra = 7  # A - 1 = 8 - 1 microbatches' activations",
+)
+
+
+# ---------------------------------------------------------------- the shrink, transferred
+
+
+def reference_shrink_plan(m: int, A: int, D: int, largest: int) -> list[int]:
+    """One replica's microbatch sizes for the same window after an out-of-memory error."""
+    if largest < 1:
+        raise ValueError("not even one example fits: use activation checkpointing")
+    window = m * A  # this replica's examples per update; D replicas keep theirs
+    count = math.ceil(window / largest)  # the fewest microbatches that each fit
+    base, extra = divmod(window, count)  # sizes differ by at most one
+    return [base + 1] * extra + [base] * (count - extra)
+
+
+#: (m, A, D, largest) cases for the checker: uneven remainders, D > 1, and m * A < largest.
+SHRINK_CASES = ((12, 2, 4, 5), (8, 4, 2, 3), (6, 3, 1, 4), (16, 1, 8, 7))
+
+
+def _halvings(m: int, largest: int) -> int:
+    while m > largest and m > 1:
+        m //= 2
+    return m
+
+
+def _shrink_problem(sizes: Any, m: int, A: int, D: int, largest: int) -> str | None:
+    where = f"m={m}, A={A}, D={D}, at most {largest} fit"
+    if not isinstance(sizes, (list, tuple)) or not all(
+        isinstance(s, int) and not isinstance(s, bool) for s in sizes
+    ):
+        return f"{where}: expected a list of ints (microbatch sizes), got {sizes!r}"
+    window, needed = m * A, math.ceil(m * A / largest)
+    if any(s < 1 for s in sizes):
+        return f"{where}: {sizes} holds an empty microbatch; every microbatch needs an example"
+    if sum(sizes) == window // D and D > 1:
+        return (
+            f"{where}: {sizes} holds {sum(sizes)} examples, m × A / D: the replicas do not "
+            f"change, each keeps its own window of m × A = {window} examples"
+        )
+    if sum(sizes) < window:
+        return (
+            f"{where}: {sizes} drops {window - sum(sizes)} of the window's {window} examples; "
+            f"keep every one (the effective batch m × A × D = {window * D} stays)"
+        )
+    if sum(sizes) > window:
+        return f"{where}: {sizes} holds {sum(sizes)} examples, more than the window's {window}"
+    if max(sizes) > largest:
+        return f"{where}: a microbatch of {max(sizes)} examples still does not fit"
+    if len(sizes) > needed:
+        halved = _halvings(m, largest)
+        if len(sizes) == math.ceil(window / halved) and halved < largest:
+            return (
+                f"{where}: {len(sizes)} microbatches of {halved}, halving until it fits; "
+                f"{needed} microbatches of at most {largest} hold the same {window} examples"
+            )
+        return f"{where}: {len(sizes)} microbatches; {needed} of at most {largest} suffice"
+    if max(sizes) - min(sizes) > 1:
+        return (
+            f"{where}: {sizes} has the fewest microbatches, but sizes differing by at most one "
+            f"give a lower peak (the largest microbatch sets it) with the same count"
         )
     return None
 
 
-def _value_problem(i: int, value: float, ref: float) -> str:
+def check_shrink_plan(answer: Callable[..., Any]) -> str | None:
+    """None when ``answer`` plans every case right and rejects ``largest = 0``."""
+    if not callable(answer):
+        return f"expected a function, got {type(answer).__name__}"
+    for case in SHRINK_CASES:
+        problem = _shrink_problem(answer(*case), *case)
+        if problem is not None:
+            return problem
+    try:
+        got = answer(4, 2, 2, 0)
+    except ValueError:
+        return None
     return (
-        f"window {i}: returned {value:.6f}, expected the mean loss per target {ref:.6f}: the "
-        "sum of token losses over the window's target count"
+        f"m=4, A=2, D=2, at most 0 fit: returned {got!r}; when not even one example fits, "
+        "raise ValueError (accumulation never splits an example)"
     )
 
 
-window_without_leaks = Exercise(
-    name="window_without_leaks",
-    checker=check_train_one_window,
+shrink_plan = Exercise(
+    name="shrink_plan",
+    checker=check_shrink_plan,
     hints=(
-        "Count the window's targets first: sum(objective.count(mb) for mb in window).",
-        "Backpropagate objective.loss_sum(model(mb['input_ids']), mb) / total for each "
-        "microbatch; step once after the loop.",
-        "For the log, add part.item() (a Python float) to a running sum; a tensor would "
-        "keep its graph alive for as long as the log keeps it.",
+        "The window of one replica holds m × A examples before and after; D does not change.",
+        "The fewest microbatches of at most `largest`: ceil(m × A / largest).",
+        "divmod(m * A, count) gives a base size and how many microbatches get one more.",
     ),
-    reference=inspect.getsource(reference_train_window),
+    reference=inspect.getsource(reference_shrink_plan),
 )
+
+
+# ---------------------------------------------------------------- m and A under a budget
+
+
+def reference_plan_under_budget(
+    peaks: Mapping[int, int], budget: int, effective_batch: int, replicas: int = 1
+) -> tuple[int, int]:
+    """The largest ``m`` whose predicted peak fits ``budget``, and ``A`` for the batch."""
+    if effective_batch % replicas:
+        raise ValueError("replicas must divide the effective batch")
+    window = effective_batch // replicas  # each replica's examples per update
+    (m0, p0), (m1, p1) = min(peaks.items()), max(peaks.items())
+    per_example = (p1 - p0) / (m1 - m0)  # the part that grows with m
+    fixed = p0 - m0 * per_example  # weights, gradients, optimizer state
+    for m in range(window, 0, -1):
+        if window % m == 0 and fixed + m * per_example <= budget:
+            return m, window // m
+    raise ValueError("even m=1 does not fit: a smaller model or activation checkpointing")
+
+
+#: (peaks, budget, effective batch, replicas, expected (m, A)): exact lines, so no rounding.
+BUDGET_CASES: tuple[tuple[dict[int, int], int, int, int, tuple[int, int]], ...] = (
+    ({1: 3_000, 2: 4_000, 4: 6_000}, 13_500, 64, 2, (8, 4)),  # 11 fit; 8 divides 32
+    ({2: 10_000, 8: 22_000}, 30_000, 48, 1, (12, 4)),  # 12 fits exactly, never measured
+    ({4: 50_000, 16: 98_000}, 500_000, 32, 4, (8, 1)),  # the whole window fits
+    ({2: 40_000, 6: 60_000}, 70_000, 24, 1, (8, 3)),  # the fixed part is most of the peak
+)
+
+
+def _budget_problem(got: Any, case: tuple[Any, ...]) -> str | None:
+    peaks, budget, batch, replicas, (m_ok, a_ok) = case
+    (m0, p0), (m1, p1) = min(peaks.items()), max(peaks.items())
+    slope = (p1 - p0) / (m1 - m0)
+
+    def peak(m: int) -> float:
+        return p0 + (m - m0) * slope
+
+    where = f"peaks {peaks}, budget {budget}, effective batch {batch} on {replicas} replica(s)"
+    if (
+        not isinstance(got, tuple)
+        or len(got) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in got)
+    ):
+        return f"{where}: expected a tuple (m, A) of two ints, got {got!r}"
+    m, a = got
+    if (m, a) == (m_ok, a_ok):
+        return None
+    if m < 1 or a < 1:
+        return f"{where}: ({m}, {a}) needs m >= 1 and A >= 1"
+    if m * a == batch and replicas > 1:
+        return (
+            f"{where}: ({m}, {a}) gives m × A = {batch} per replica, {batch * replicas} in all; "
+            f"each replica's window is the batch / D = {batch // replicas}"
+        )
+    if m * a * replicas != batch:
+        return f"{where}: ({m}, {a}) gives m × A × D = {m * a * replicas}, not {batch}"
+    if peak(m) > budget:
+        return f"{where}: m={m} is predicted to peak at {peak(m):.0f} bytes, over the budget"
+    window = batch // replicas
+    measured = [k for k in peaks if window % k == 0 and peak(k) <= budget]
+    if measured and m == max(measured) and m_ok not in peaks:
+        return (
+            f"{where}: m={m} is the largest measured size that fits, but the peak is a line in "
+            f"m (fixed part + m × per example): m={m_ok} fits too and is never measured"
+        )
+    return (
+        f"{where}: m={m} fits, but m={m_ok} (A={a_ok}) fits as well: the largest m that fits "
+        "and divides the window needs the fewest microbatches, and small ones are slower"
+    )
+
+
+def check_plan_under_budget(answer: Callable[..., Any]) -> str | None:
+    """None when ``answer`` picks the expected plan in every case and raises ValueError when
+    nothing fits or the replicas do not divide the batch."""
+    if not callable(answer):
+        return f"expected a function, got {type(answer).__name__}"
+    for case in BUDGET_CASES:
+        problem = _budget_problem(answer(copy.deepcopy(case[0]), *case[1:4]), case)
+        if problem is not None:
+            return problem
+    peaks = {1: 3_000, 4: 6_000}
+    for budget, batch, replicas, why in (
+        (2_500, 16, 1, "even m=1 is predicted to peak at 3000 bytes"),
+        (100_000, 30, 4, "4 replicas cannot share 30 examples equally"),
+    ):
+        try:
+            got = answer(dict(peaks), budget, batch, replicas)
+        except ValueError:
+            continue
+        return (
+            f"peaks {peaks}, budget {budget}, effective batch {batch} on {replicas} replica(s): "
+            f"returned {got!r}, but {why}; raise ValueError"
+        )
+    return None
+
+
+plan_under_budget = Exercise(
+    name="plan_under_budget",
+    checker=check_plan_under_budget,
+    hints=(
+        "Two measured points give the line: per example = (p1 - p0) / (m1 - m0), fixed part "
+        "= p0 - m0 × per example.",
+        "Each replica's window holds effective_batch / replicas examples; m must divide it.",
+        "Try m from the whole window down to 1; the first that divides and fits is the plan.",
+    ),
+    reference=inspect.getsource(reference_plan_under_budget),
+)
+
