@@ -1,5 +1,15 @@
-"""Exercise for notebook 07 (the capstone clinic).
+"""Exercises for notebook 07 (the capstone: a real run, the audit, the clinic).
 
+- ``updates_predicted``, ``ratio_predicted``, ``rate_predicted`` (predict first): the update
+  attempts of the real run, the logged-loss ratio of a double division, the learning rate
+  after one window of a schedule stepped per backward pass.
+- ``diagnose`` (transfer): ``diagnose(weights, targets, positions) -> str``. ``weights`` are
+  the measured weights of one window's microbatch contributions in its update (1 = correct,
+  as the audit reports them, with float rounding), ``targets`` and ``positions`` each
+  microbatch's supervised targets and label positions after the shift. Return the mistake
+  the fingerprint shows: ``"ok"``, ``"double_division"``, ``"average_of_averages"``,
+  ``"ignored_tokens_counted"`` or ``"missing_contributions"`` (a microbatch that reached the
+  update with weight 0: cleared by ``zero_grad`` or never trained).
 - ``clinic_window``: write ``train_one_window(model, optimizer, scheduler, window)``, one
   update from one window, for a causal language model called like a Hugging Face model
   (``model(input_ids=..., attention_mask=...).logits``). ``window`` is a list of
@@ -24,6 +34,7 @@ from torch import Tensor, nn
 
 from ...checks import ADVICE, audit
 from . import Exercise
+from .predictions import number_prediction
 
 
 def reference_train_one_window(
@@ -32,10 +43,13 @@ def reference_train_one_window(
     scheduler: Any,
     window: Sequence[Mapping[str, Tensor]],
 ) -> float:
-    """One update from ``window``; returns the window's mean loss per target."""
+    """One update from ``window``; returns the window's mean loss per target (NaN, and no
+    update, for a window without targets)."""
     optimizer.zero_grad(set_to_none=True)
     total = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in window)  # before any forward
-    loss_sum = 0.0
+    if total == 0:
+        return float("nan")  # nothing to learn from: no update, as al.train_window skips it
+    loss_sum = torch.zeros(())
     for mb in window:
         logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
         part = F.cross_entropy(
@@ -45,11 +59,11 @@ def reference_train_one_window(
             reduction="sum",
         )
         (part / total).backward()  # every target weighs 1 / total, whatever its microbatch
-        loss_sum += part.item()  # a float: no graph outlives the microbatch
+        loss_sum += part.detach()  # no graph outlives the microbatch, nothing waits
         del logits, part
     optimizer.step()  # once per window
     scheduler.step()  # once per update
-    return loss_sum / total
+    return float(loss_sum) / total  # one read per window
 
 
 def check_train_one_window(answer: Any) -> str | None:
@@ -77,7 +91,144 @@ clinic_window = Exercise(
         "Per microbatch: the summed cross-entropy (reduction='sum', ignore_index=-100) "
         "divided by that count, then backward. No zero_grad and no step inside the loop.",
         "After the loop: optimizer.step(), then scheduler.step(); clear the gradients once "
-        "per window (before the loop or after the step). Log part.item(), not the tensor.",
+        "per window (before the loop or after the step). Log part.detach() into a running "
+        "tensor, read once after the window; never keep the loss tensor itself.",
     ),
     reference=inspect.getsource(reference_train_one_window),
+)
+
+
+# ---------------------------------------------------------------- predict first
+
+updates_predicted = number_prediction(
+    __name__, "updates_predicted", 32,
+    what="update attempts: examples / (m × A × D)",
+    mistakes={64: "the loader batches (512 / 8): a window of A = 2 of them makes one update",
+              128: "the microbatches after the shrink (512 / 4): A of them make one update",
+              16: "the effective batch, not the number of updates"},
+    hints=("The effective batch stays 16 examples per update whatever m becomes.",),
+    reasoning="512 examples / (m × A × D = 16 examples per update) = 32 update attempts; the "
+              "shrink to m = 4 doubles A and leaves the effective batch, so the count is "
+              "unchanged.",
+)
+
+ratio_predicted = number_prediction(
+    __name__, "ratio_predicted", 0.25,
+    what="the logged loss of the double division / the correct logged loss, for A = 4",
+    mistakes={4: "the inverse: a second division makes the logged loss smaller",
+              1: "what a loop that divides once logs"},
+    hints=("Each logged part is divided by the window's targets and then once more by A.",),
+    reasoning="Every microbatch's logged part is divided by A = 4 on top of the window's "
+              "target count, so the sum is 1/4 of the correct mean.",
+)
+
+rate_predicted = number_prediction(
+    __name__, "rate_predicted", 0.0625,
+    what="the learning rate after the first window, lr 0.1 with a warmup of 8 updates",
+    mistakes={0.025: "the per-update schedule: one scheduler.step per window gives 2/8 × 0.1",
+              0.0125: "the starting rate, 1/8 × 0.1, before any scheduler.step",
+              0.1: "the end of the warmup, reached after 7 schedule steps"},
+    hints=("LambdaLR multiplies 0.1 by min(1, (u + 1) / 8), u = scheduler.step() calls so far.",
+           "One window of A = 4 microbatches calls scheduler.step() 4 times in this loop."),
+    reasoning="After one window the scheduler has stepped 4 times (once per backward pass): "
+              "u = 4, so the rate is 0.1 × (4 + 1) / 8 = 0.0625, what a per-update schedule "
+              "reaches only after 4 updates.",
+)
+
+# ---------------------------------------------------------------- diagnose (transfer)
+
+DIAGNOSES = ("ok", "double_division", "average_of_averages", "ignored_tokens_counted",
+             "missing_contributions")
+
+
+def reference_diagnose(weights: Sequence[float], targets: Sequence[int],
+                       positions: Sequence[int]) -> str:
+    """The mistake that one window's measured weights show (1 = correct), from the fingerprints."""
+    def near(x: float, y: float) -> bool:  # measured weights carry float rounding
+        return abs(x - y) <= 1e-4 * max(1.0, abs(y))
+
+    a, total = len(weights), sum(targets)
+    if any(near(w, 0.0) for w in weights):
+        return "missing_contributions"  # cleared by zero_grad, or never trained
+    if all(near(w, 1.0) for w in weights):
+        return "ok"
+    if all(near(w, 1 / a) for w in weights):
+        return "double_division"  # divided by the count, then by A again
+    if all(near(w, total / (a * t)) for w, t in zip(weights, targets, strict=True)):
+        return "average_of_averages"  # each microbatch's mean counts 1/A
+    if all(near(w, total / sum(positions)) for w in weights):
+        return "ignored_tokens_counted"  # -100 positions counted in the denominator
+    return "unknown"
+
+
+def _noisy(values: Sequence[float], seed: int) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
+    return [float(v) * (1 + 1e-7 * float(torch.randn((), generator=g))) for v in values]
+
+
+def _case(kind: str, targets: list[int], positions: list[int]) -> list[float]:
+    a, total = len(targets), sum(targets)
+    return {
+        "ok": [1.0] * a,
+        "double_division": [1 / a] * a,
+        "average_of_averages": [total / (a * t) for t in targets],
+        "ignored_tokens_counted": [total / sum(positions)] * a,
+        "missing_contributions": [0.0] * (a - 1) + [1.0],
+    }[kind]
+
+
+#: (weights kind, targets, positions, expected answer): windows the notebook did not show.
+DIAGNOSE_CASES: tuple[tuple[str, list[int], list[int], str], ...] = (
+    ("ok", [12, 7, 20], [15, 15, 31], "ok"),
+    ("double_division", [9, 9, 14, 3], [10, 12, 20, 6], "double_division"),
+    ("double_division", [30, 2], [31, 9], "double_division"),
+    ("average_of_averages", [10, 8, 13, 7], [16, 11, 27, 14], "average_of_averages"),
+    ("average_of_averages", [4, 25], [9, 30], "average_of_averages"),
+    ("ignored_tokens_counted", [10, 8, 13, 7], [16, 11, 27, 14], "ignored_tokens_counted"),
+    ("ignored_tokens_counted", [3, 3, 3], [20, 4, 6], "ignored_tokens_counted"),
+    ("missing_contributions", [10, 8, 13, 7], [16, 11, 27, 14], "missing_contributions"),
+    # the same targets in every microbatch: the average of averages weighs them right
+    ("average_of_averages", [6, 6, 6, 6], [8, 8, 8, 8], "ok"),
+)
+
+
+def check_diagnose(answer: Any) -> str | None:
+    """None when ``answer`` names every case's fingerprint right; else the first miss, named."""
+    if not callable(answer):
+        return f"expected a function diagnose(weights, targets, positions), got {type(answer).__name__}"
+    for seed, (kind, targets, positions, expected) in enumerate(DIAGNOSE_CASES):
+        exact = _case(kind, targets, positions)
+        got = answer(_noisy(exact, seed), list(targets), list(positions))
+        if got == expected:
+            continue
+        shown = ", ".join(f"{w:.4g}" for w in exact)
+        if answer(exact, list(targets), list(positions)) == expected:
+            return (f"for weights [{shown}] (with float rounding of 1e-7) you returned {got!r}: "
+                    "measured weights are never exact; compare with a tolerance")
+        if got not in DIAGNOSES:
+            return (f"for weights [{shown}] you returned {got!r}; return one of "
+                    f"{', '.join(map(repr, DIAGNOSES))}")
+        if expected == "ok" and kind == "average_of_averages":
+            return (f"for weights [{shown}] with {targets} targets you returned {got!r}: when "
+                    "every microbatch holds the same number of targets, averaging the means "
+                    "weighs every target right; the fingerprint is the weights, not the loop")
+        if got == "double_division" and expected == "ignored_tokens_counted":
+            return (f"for weights [{shown}] you returned 'double_division': a constant weight "
+                    f"below 1 is 1/A only if it equals 1/{len(targets)}; this one is "
+                    f"targets / positions = {sum(targets)}/{sum(positions)}")
+        return (f"for weights [{shown}] (targets {targets}, positions {positions}) you "
+                f"returned {got!r}, the fingerprint is {expected!r}")
+    return None
+
+
+diagnose = Exercise(
+    name="diagnose",
+    checker=check_diagnose,
+    hints=(
+        "Compare every weight with a tolerance (1e-4 relative is plenty): measured weights "
+        "carry float rounding.",
+        "Test the fingerprints in order: a zero weight; all 1; all 1/A; each "
+        "sum(targets) / (A × targets of its microbatch); all sum(targets) / sum(positions).",
+    ),
+    reference=inspect.getsource(reference_diagnose),
 )
