@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -155,7 +156,160 @@ def test_a_stub_is_not_attempted_yet(capsys):
     assert "ex02.window_token_loss.solution()" in lines[0]
 
 
-def test_the_committed_notebook_ships_the_exercise_unsolved():
+
+# --- window_token_loss on a window without any target ------------------------------------
+
+
+def test_a_window_without_targets_must_give_none(capsys):
+    def nan_for_empty(logits, labels):
+        total = sum(int((y[:, 1:] != -100).sum()) for y in labels)
+        return sum(_flat_ce(x, y, reduction="sum") for x, y in zip(logits, labels, strict=True)) / max(total, 0.0)
+
+    def divides_by_zero(logits, labels):
+        total = sum(int((y[:, 1:] != -100).sum()) for y in labels)
+        return sum(_flat_ce(x, y, reduction="sum") for x, y in zip(logits, labels, strict=True)) / (1 / total) ** -1
+
+    assert ex02.window_token_loss.check(nan_for_empty) is False
+    assert "window without any target you returned nan" in capsys.readouterr().out
+    assert ex02.window_token_loss.check(divides_by_zero) is False
+    assert "raised ZeroDivisionError" in capsys.readouterr().out
+    assert ex02.reference_window_token_loss([torch.randn(1, 3, 4)], [torch.full((1, 3), -100)]) is None
+
+
+# --- window_weighted_loss (transfer) -------------------------------------------------------
+
+
+def _token_losses(x, y):
+    return F.cross_entropy(x[:, :-1].reshape(-1, x.size(-1)), y[:, 1:].reshape(-1),
+                           reduction="none").view(y[:, 1:].shape)
+
+
+def _parts(logits, labels, weights):
+    return list(zip(logits, labels, weights, strict=True))
+
+
+def weighted_by_targets(logits, labels, weights):
+    total = sum(int((y[:, 1:] != -100).sum()) for y in labels)
+    return sum((w[:, None] * _token_losses(x, y)).sum() for x, y, w in _parts(logits, labels, weights)) / total
+
+
+def weighted_by_row_weights(logits, labels, weights):
+    total = sum(float(w.sum()) for w in weights)
+    return sum((w[:, None] * _token_losses(x, y)).sum() for x, y, w in _parts(logits, labels, weights)) / total
+
+
+def weighted_means_averaged(logits, labels, weights):
+    means = []
+    for x, y, w in _parts(logits, labels, weights):
+        n = float((w * (y[:, 1:] != -100).sum(dim=1)).sum())
+        if n > 0:
+            means.append((w[:, None] * _token_losses(x, y)).sum() / n)
+    return sum(means) / len(means)
+
+
+def weighted_means_nan(logits, labels, weights):
+    parts = _parts(logits, labels, weights)
+    sums = [(w[:, None] * _token_losses(x, y)).sum() / (w * (y[:, 1:] != -100).sum(dim=1)).sum()
+            for x, y, w in parts]
+    return sum(sums) / len(sums)
+
+
+def weighted_sum(logits, labels, weights):
+    return sum((w[:, None] * _token_losses(x, y)).sum() for x, y, w in _parts(logits, labels, weights))
+
+
+def test_reference_weighted_loss_passes_and_matches_a_full_batch(capsys):
+    assert ex02.window_weighted_loss.check(ex02.reference_window_weighted_loss) is True
+    assert "✅ window_weighted_loss" in capsys.readouterr().out
+    # the same rows as one batch: sum(w × loss) / sum(w × targets); weights 1 give the token mean
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(5, 6, 7, generator=g), torch.randint(0, 7, (5, 6), generator=g)
+    y[1] = -100
+    y[3, 3:] = -100
+    w = torch.tensor([1.0, 2.0, 0.5, 3.0, 0.0])
+    loss = _token_losses(x, y)
+    expected = (w[:, None] * loss).sum() / (w * (y[:, 1:] != -100).sum(dim=1)).sum()
+    got = ex02.reference_window_weighted_loss([x[:2], x[2:]], [y[:2], y[2:]], [w[:2], w[2:]])
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    ones = ex02.reference_window_weighted_loss([x[:2], x[2:]], [y[:2], y[2:]],
+                                               [torch.ones(2), torch.ones(3)])
+    torch.testing.assert_close(ones, ex02.reference_window_token_loss([x[:2], x[2:]], [y[:2], y[2:]]))
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        (lambda x, y, w: ex02.reference_window_token_loss(x, y), "the weights were left out"),
+        (weighted_by_targets, "divided by the plain target count"),
+        (weighted_by_row_weights, "divided by the sum of the row weights"),
+        (weighted_means_averaged, "average of averages again"),
+        (weighted_means_nan, "has the mean 0/0"),
+        (weighted_sum, "without dividing"),
+    ],
+)
+def test_wrong_weighted_losses_are_named(answer, reason, capsys):
+    assert ex02.window_weighted_loss.check(answer) is False
+    out = capsys.readouterr().out
+    assert out.startswith("❌ window_weighted_loss:") and reason in out, out
+
+
+def test_a_window_of_zero_weight_must_give_none(capsys):
+    def nan_when_empty(logits, labels, weights):
+        got = ex02.reference_window_weighted_loss(logits, labels, weights)
+        return torch.tensor(float("nan")) if got is None else got
+
+    assert ex02.window_weighted_loss.check(nan_when_empty) is False
+    assert "weights are all 0 you returned nan" in capsys.readouterr().out
+
+
+# --- predictions ---------------------------------------------------------------------------
+
+
+def test_number_prediction_second_contribution(capsys):
+    assert ex02.second_contribution.check(2.25)
+    for wrong, reason in ((3, "own mean"), (1.5, "average of averages"), (18, "undivided"),
+                          (2.5, "both microbatches")):
+        assert not ex02.second_contribution.check(wrong)
+        assert reason in capsys.readouterr().out.splitlines()[-1]
+    assert ex02.SECOND_CONTRIBUTION == 18 / (2 + 6)
+
+
+@pytest.mark.parametrize(
+    ("exercise", "right", "wrong"),
+    [
+        (ex02.same_direction, "Positions  counted", {"average of averages": "direction changes",
+                                                     "both": "only one", "neither": "same factor"}),
+        (ex02.better_on_short_answers, "average-of-averages", {"token mean": "half of every update"}),
+    ],
+    ids=lambda v: getattr(v, "name", ""),
+)
+def test_choice_predictions(exercise, right, wrong, capsys):
+    assert exercise.check(right)  # case, spaces and hyphens do not matter
+    for choice, reason in wrong.items():
+        assert not exercise.check(choice)
+        assert reason in capsys.readouterr().out.splitlines()[-1]
+    assert not exercise.check("the first one")
+    assert "write one of" in capsys.readouterr().out
+
+
+def test_the_committed_notebook_ships_every_02_exercise_unsolved():
     from notebook_exercises import assert_unsolved
 
-    assert_unsolved("02_token_weighting.ipynb", {"window_token_loss": "ex02"})
+    assert_unsolved("02_token_weighting.ipynb", {
+        "window_token_loss": "ex02", "window_weighted_loss": "ex02",
+        "second_contribution": "ex02", "same_direction": "ex02",
+        "better_on_short_answers": "ex02",
+    })
+
+
+@pytest.mark.parametrize(
+    "exercise",
+    [ex02.window_weighted_loss, ex02.second_contribution, ex02.same_direction,
+     ex02.better_on_short_answers],
+    ids=lambda e: e.name,
+)
+def test_stubs_of_the_new_exercises_are_not_attempted_yet(exercise, capsys):
+    for answer in (None, ...):
+        assert exercise.check(answer) is False
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(set(lines)) == 1 and lines[0].startswith(f"⏳ {exercise.name}: not attempted yet")

@@ -7,6 +7,9 @@
 - ``replicas``: write ``replicas(gpus, tensor_parallel_size=1, pipeline_parallel_size=1)
   -> int``, the number of data-parallel replicas ``D`` in a job, raising ``ValueError``
   when the GPUs do not split into whole model copies.
+
+Predict first (a number written before the cell that computes it): ``update_attempts``
+(10 examples, ``m = 2``, ``A = 2``) and ``effective_batch`` (8 GPUs as ``T = 2 × P = 2``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import inspect
 from collections.abc import Callable
 
 from ...plan import AccumulationPlan
+from ..widgets import effective_batch_table
 from . import Exercise
+from .predictions import number_prediction
 
 # --- accumulation_steps ----------------------------------------------------------------
 
@@ -149,4 +154,55 @@ replicas = Exercise(
         "D = gpus // (T × P); raise ValueError when the division leaves a remainder.",
     ),
     reference=inspect.getsource(reference_replicas),
+)
+
+
+# --- predict first ----------------------------------------------------------------------
+
+#: 10 examples in microbatches of m = 2 (5 microbatches), windows of A = 2, the short last
+#: window updated (``last_window="update"``): one update attempt per window.
+UPDATE_ATTEMPTS = len(list(AccumulationPlan(2, 2).windows(range(5))))
+
+update_attempts = number_prediction(
+    __name__,
+    "update_attempts",
+    UPDATE_ATTEMPTS,
+    what="update attempts from 10 examples with m = 2, A = 2",
+    mistakes={
+        2: "the complete windows only: the short last window (one microbatch) makes an "
+        "update attempt too when last_window='update'",
+        2.5: "10 / (m × A): windows are whole, and a short last one still counts",
+        5: "the microbatches (one backward pass each): an update comes once per window",
+        10: "the examples",
+    },
+    hints=(
+        "10 examples in microbatches of 2 make 5 microbatches; a window holds A = 2 of them.",
+        "The plan never drops a microbatch: what is left after the full windows is a short "
+        "window, and with last_window='update' it is updated from too.",
+    ),
+    reasoning="5 microbatches in windows of 2: two full windows and a short one of 1 "
+    "microbatch; one update attempt per window.",
+)
+
+#: The widget's starting job: 8 GPUs as 2 replicas of T = 2 × P = 2, m = 4, A = 8.
+EFFECTIVE_BATCH = effective_batch_table(
+    4, 8, data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2
+)["effective_batch_size"]
+
+effective_batch = number_prediction(
+    __name__,
+    "effective_batch",
+    EFFECTIVE_BATCH,
+    what="examples per update for m = 4, A = 8 on 8 GPUs as T = 2 × P = 2",
+    mistakes={
+        256: "m × A × GPUs: tensor- and pipeline-parallel GPUs share one model copy and "
+        "its examples, only replicas count",
+        128: "m × A × (T × P): the GPUs of one replica see the same examples",
+        32: "one replica's window (m × A); there are D = 8 / (2 × 2) = 2 replicas",
+    },
+    hints=(
+        "Only data-parallel replicas multiply the batch: D = GPUs / (T × P).",
+        "Effective batch = m × A × D.",
+    ),
+    reasoning="D = 8 / (2 × 2) = 2 replicas, so m × A × D = 4 × 8 × 2.",
 )
