@@ -140,3 +140,150 @@ def test_hints_and_solution_print(capsys: Any) -> None:
     ex06.sequence_weighted_window.solution()
     out = capsys.readouterr().out
     assert "hint 3/3" in out and "def reference_sequence_weighted_window" in out
+
+
+# ---------------------------------------------------------------- predict first
+
+
+@pytest.mark.parametrize(
+    ("exercise", "right", "wrong", "named"),
+    [
+        (ex06.batchnorm_passes, 80, 10, "counts updates"),
+        (ex06.batchnorm_passes, 80, 8, "one window's passes"),
+        (ex06.batchnorm_passes, 80, 640, "counts examples"),
+        (ex06.batchnorm_passes, 80, 81, "count the forward passes"),
+        (ex06.batchnorm_passes, 80, "80", "expected a number"),
+        (ex06.adamw_double_division, 1.0, 0.25, "SGD's figure"),
+        (ex06.adamw_double_division, 1.0, 4, "not too large"),
+        (ex06.adamw_double_division, 1.0, 0.5, "multiplied by a constant"),
+        (ex06.adamw_double_division, 1.0, None, NOT_ATTEMPTED),
+    ],
+)
+def test_predictions_pass_and_name_each_mistake(
+    exercise: Any, right: Any, wrong: Any, named: str, capsys: Any
+) -> None:
+    assert exercise.check(right)
+    assert not exercise.check(wrong)
+    out = capsys.readouterr().out
+    assert f"✅ {exercise.name}: correct" in out and named in out, out
+
+
+def test_the_predictions_hold_for_what_the_notebook_computes() -> None:
+    # batchnorm_passes: 10 windows of 8 forward passes; adamw_double_division: Adam's first
+    # update does not change when the gradient is scaled by 1/A (up to eps).
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(3)
+    for _ in range(10 * 8):
+        bn(torch.randn(8, 3))
+    assert int(bn.num_batches_tracked) == 80
+    sizes = []
+    for scale in (1.0, 0.25):
+        w = nn.Parameter(torch.tensor([1.0, -2.0]))
+        opt = torch.optim.AdamW([w], lr=1e-3)
+        w.grad = scale * torch.tensor([0.3, 0.7])
+        opt.step()
+        sizes.append(float((w.detach() - torch.tensor([1.0, -2.0])).norm()))
+    assert abs(sizes[1] / sizes[0] - 1) < 0.05
+
+
+# ---------------------------------------------------------------- in-batch negatives
+
+
+Pairs = Sequence[Mapping[str, Tensor]]
+
+
+def per_microbatch_weighted(model: nn.Module, window: Pairs, loss_fn: Any) -> None:
+    n = sum(len(mb["queries"]) for mb in window)
+    for mb in window:
+        (loss_fn(model(mb["queries"]), model(mb["keys"])) * len(mb["queries"]) / n).backward()
+
+
+def per_microbatch_average(model: nn.Module, window: Pairs, loss_fn: Any) -> None:
+    for mb in window:
+        (loss_fn(model(mb["queries"]), model(mb["keys"])) / len(window)).backward()
+
+
+def per_microbatch_sum(model: nn.Module, window: Pairs, loss_fn: Any) -> None:
+    for mb in window:
+        loss_fn(model(mb["queries"]), model(mb["keys"])).backward()
+
+
+def whole_window_at_once(model: nn.Module, window: Pairs, loss_fn: Any) -> None:
+    queries = torch.cat([mb["queries"] for mb in window])
+    keys = torch.cat([mb["keys"] for mb in window])
+    loss_fn(model(queries), model(keys)).backward()
+
+
+def cached_but_steps(model: nn.Module, window: Pairs, loss_fn: Any) -> None:
+    ex06.reference_contrastive_window(model, window, loss_fn)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
+def cached_twice_the_gradient(model: nn.Module, window: Pairs, loss_fn: Any) -> None:
+    ex06.reference_contrastive_window(model, window, lambda q, k: 2 * loss_fn(q, k))
+
+
+def embeds_but_never_backpropagates(model: nn.Module, window: Pairs, loss_fn: Any) -> None:
+    with torch.no_grad():
+        for mb in window:
+            model(mb["queries"])
+
+
+def test_contrastive_reference_passes(capsys: Any) -> None:
+    assert ex06.contrastive_window.check(ex06.reference_contrastive_window)
+    assert "✅ contrastive_window: correct" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        (per_microbatch_weighted, "accumulated per-microbatch loss"),
+        (per_microbatch_average, "average of per-microbatch losses"),
+        (per_microbatch_sum, "sum of per-microbatch losses"),
+        (whole_window_at_once, "rows at once, more than a microbatch"),
+        (cached_but_steps, "the weights changed"),
+        (cached_twice_the_gradient, "differs from the whole window's loss"),
+        (embeds_but_never_backpropagates, "no gradient at all"),
+        ("not a function", "expected a function"),
+    ],
+)
+def test_contrastive_wrong_answers_name_the_mistake(answer: Any, reason: str, capsys: Any) -> None:
+    assert not ex06.contrastive_window.check(answer)
+    out = capsys.readouterr().out
+    assert out.startswith("❌ contrastive_window:") and reason in out, out
+
+
+def test_info_nce_matches_its_definition_and_rejects_bad_shapes() -> None:
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
+    qn, kn = q / q.norm(dim=1, keepdim=True), k / k.norm(dim=1, keepdim=True)
+    scores = qn @ kn.T / 0.1
+    expected = -(scores.diag() - scores.logsumexp(dim=1)).mean()
+    torch.testing.assert_close(ex06.info_nce(q, k), expected)
+    with pytest.raises(ValueError, match=r"\(n, dim\)"):
+        ex06.info_nce(q, k[:4])
+
+
+def test_new_stubs_are_not_attempted(capsys: Any) -> None:
+    def stub(*args: Any) -> None:
+        raise NotImplementedError
+
+    for exercise, answer in ((ex06.contrastive_window, stub), (ex06.batchnorm_passes, ...),
+                             (ex06.adamw_double_division, ...)):
+        assert not exercise.check(answer)
+        out = capsys.readouterr().out
+        assert out.startswith(f"⏳ {exercise.name}: {NOT_ATTEMPTED}")
+
+
+def test_committed_notebook_ships_every_exercise_unsolved() -> None:
+    from notebook_exercises import assert_unsolved
+
+    assert_unsolved(
+        "06_when_equivalence_ends.ipynb",
+        {
+            "sequence_weighted_window": "ex06",
+            "contrastive_window": "ex06",
+            "batchnorm_passes": "ex06",
+            "adamw_double_division": "ex06",
+        },
+    )

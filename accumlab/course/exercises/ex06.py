@@ -15,6 +15,21 @@ The checker runs the answer on fresh tiny GPTs and windows whose microbatches di
 both sequences and targets, and names the usual mistakes: the token-weighted denominator
 (right for another objective), the average or the sum of microbatch means, no division,
 a second division by the number of microbatches, ``zero_grad`` inside, a step inside.
+
+- ``contrastive_window`` (transfer): ``answer(model, window, loss_fn) -> None`` for a loss
+  with in-batch negatives (:func:`info_nce`), where one pair's loss depends on every other
+  pair of its pass, so accumulating it per microbatch is a different loss. ``window`` is a
+  list of dicts with ``queries`` and ``keys`` (float tensors ``(rows, 6)``), ``model(x)``
+  returns embeddings ``(rows, 8)``. After the call ``.grad`` holds the gradient of
+  ``loss_fn`` over the whole window, while the model ran with autograd on at most one
+  microbatch at a time (embed everything without gradients, backpropagate the loss to the
+  embeddings, then recompute each microbatch and push those gradients in). The checker
+  names the per-microbatch loss (average, sum or weighted), the whole window in one
+  pass, a step inside and an empty ``.grad``.
+
+Two predict-first questions, answered with a number before the cell that shows it:
+``batchnorm_passes`` (forward passes BatchNorm counts in 10 updates at ``m = 8 × A = 8``)
+and ``adamw_double_division`` (AdamW's first update, divided twice, over the right one).
 """
 
 from __future__ import annotations
@@ -201,4 +216,212 @@ sequence_weighted_window = Exercise(
         "no zero_grad and no step inside.",
     ),
     reference=inspect.getsource(reference_sequence_weighted_window),
+)
+
+
+# ---------------------------------------------------------------- predict first
+
+
+def _number(answer: Any) -> float | str:
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)):
+        return f"expected a number (an int or a float), got {type(answer).__name__}"
+    return float(answer)
+
+
+def check_batchnorm_passes(answer: Any) -> str | None:
+    """None when the prediction is 80: BatchNorm counts 8 forward passes per window for 10
+    updates at ``m = 8 × A = 8``."""
+    value = _number(answer)
+    if isinstance(value, str):
+        return value
+    if value == 80:
+        return None
+    if value == 10:
+        return (
+            "10 counts updates; BatchNorm updates its running statistics in every forward "
+            "pass, and a window of A = 8 makes 8 of them"
+        )
+    if value == 8:
+        return "8 is one window's passes; the run makes 10 windows"
+    if value == 640:
+        return "640 counts examples; BatchNorm counts forward passes (microbatches)"
+    return f"{value:g}: count the forward passes of 10 windows of A = 8 microbatches"
+
+
+def check_adamw_double_division(answer: Any) -> str | None:
+    """None when the prediction is 1 (within 0.05): a constant factor on the gradient
+    cancels in Adam's first update."""
+    value = _number(answer)
+    if isinstance(value, str):
+        return value
+    if abs(value - 1) <= 0.05:
+        return None
+    if abs(value - 0.25) <= 0.01:
+        return (
+            "0.25 is SGD's figure; Adam divides each entry by the root of its second moment, "
+            "so a constant factor on the gradient cancels (up to eps)"
+        )
+    if abs(value - 4) <= 0.05:
+        return "the gradient is A times too small, not too large; and Adam cancels the factor"
+    return f"{value:g}: what does Adam do to a gradient multiplied by a constant?"
+
+
+batchnorm_passes = Exercise(
+    name="batchnorm_passes",
+    checker=check_batchnorm_passes,
+    hints=("BatchNorm's num_batches_tracked grows by one per forward pass in training mode.",),
+    reference="batchnorm_passes = 80  # 10 windows × A = 8 forward passes",
+)
+
+adamw_double_division = Exercise(
+    name="adamw_double_division",
+    checker=check_adamw_double_division,
+    hints=(
+        "Adam's first update is lr × m̂ / (√v̂ + eps) with m̂ = g and v̂ = g² at the first step.",
+    ),
+    reference="adamw_double_division = 1.0  # g / sqrt(g**2): the factor 1/A cancels (up to eps)",
+)
+
+
+# ---------------------------------------------------------------- in-batch negatives
+
+
+def info_nce(queries: Tensor, keys: Tensor, temperature: float = 0.1) -> Tensor:
+    """Contrastive loss with in-batch negatives, the mean over the ``n`` pairs (nats).
+
+    ``queries`` and ``keys`` are (n, dim) embeddings; pair ``i`` is ``(queries[i],
+    keys[i])``: each query must pick its own key among *all* ``n`` keys, so every other
+    key in the batch is a negative and one pair's loss depends on every other pair.
+    """
+    if queries.dim() != 2 or queries.shape != keys.shape:
+        raise ValueError(
+            f"queries and keys must both be (n, dim); got {tuple(queries.shape)} and "
+            f"{tuple(keys.shape)}"
+        )
+    scores = F.normalize(queries, dim=1) @ F.normalize(keys, dim=1).T / temperature
+    return F.cross_entropy(scores, torch.arange(len(queries), device=scores.device))
+
+
+def reference_contrastive_window(
+    model: nn.Module, window: Window, loss_fn: Callable[[Tensor, Tensor], Tensor]
+) -> None:
+    """Fill ``.grad`` with the whole window's ``loss_fn`` gradient, one microbatch at a time."""
+    with torch.no_grad():  # 1. every embedding of the window, without graphs (small)
+        queries = torch.cat([model(mb["queries"]) for mb in window]).requires_grad_()
+        keys = torch.cat([model(mb["keys"]) for mb in window]).requires_grad_()
+    loss_fn(queries, keys).backward()  # 2. d(window loss)/d(each embedding)
+    start = 0
+    for mb in window:  # 3. recompute each microbatch with its graph, push those gradients in
+        rows = slice(start, start + len(mb["queries"]))
+        torch.autograd.backward(
+            [model(mb["queries"]), model(mb["keys"])], [queries.grad[rows], keys.grad[rows]]
+        )
+        start = rows.stop
+
+
+def _encoder(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8))
+
+
+def _pairs(seed: int, n: int) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    queries = torch.randn(n, 6, generator=g)
+    return {"queries": queries, "keys": queries + 0.5 * torch.randn(n, 6, generator=g)}
+
+
+class _GradRows:
+    """Counts the most rows the model ran on with autograd recording, in one call."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.most = 0
+        self.handle = model.register_forward_pre_hook(self)
+
+    def __call__(self, module: nn.Module, inputs: tuple[Any, ...]) -> None:
+        if torch.is_grad_enabled():
+            self.most = max(self.most, int(inputs[0].shape[0]))
+
+
+def _diagnose_contrastive(model: nn.Module, window: Window, got: Tensor) -> str | None:
+    n, a = sum(len(mb["queries"]) for mb in window), len(window)
+    per_mb = [
+        _grad_of(model, lambda mb=mb: info_nce(model(mb["queries"]), model(mb["keys"])))
+        for mb in window
+    ]
+    sizes = [len(mb["queries"]) for mb in window]
+    known = [
+        (sum(g * s / n for g, s in zip(per_mb, sizes, strict=True)),
+         "it is the accumulated per-microbatch loss: each query saw only its own microbatch's "
+         "keys as negatives. With in-batch negatives that is a different (easier) loss, not "
+         "the window's; every query needs all the window's keys"),
+        (sum(per_mb) / a, "it is the average of per-microbatch losses: each query saw only its "
+         "microbatch's keys as negatives; every query needs all the window's keys"),
+        (sum(per_mb), "it is the sum of per-microbatch losses: each query saw only its "
+         "microbatch's keys as negatives; every query needs all the window's keys"),
+    ]
+    for expected, message in known:
+        if _close(got, expected):
+            return message
+    return None
+
+
+def check_contrastive_window(answer: Callable[..., Any]) -> str | None:
+    """None when ``answer`` fills ``.grad`` with the window's in-batch-negatives gradient
+    while running the model with autograd on at most one microbatch at a time."""
+    if not callable(answer):
+        return f"expected a function, got {type(answer).__name__}"
+    with torch.random.fork_rng(devices=[]):
+        for seed, sizes in enumerate(([5, 3, 4], [2, 5, 3, 6]), start=70):
+            model = _encoder(seed)
+            batch = _pairs(seed, sum(sizes))
+            ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+            window = [{k: v[end - n : end] for k, v in batch.items()}
+                      for n, end in zip(sizes, ends, strict=True)]
+            reference = _grad_of(model, lambda m=model, b=batch: info_nce(m(b["queries"]),
+                                                                          m(b["keys"])))
+            weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            model.zero_grad(set_to_none=True)
+            rows = _GradRows(model)
+            try:
+                answer(model, window, info_nce)
+            finally:
+                rows.handle.remove()
+            where = f"on microbatches of {sizes} pairs"
+            problem = fills_grad_only(model, weights, where)
+            if problem is not None:
+                return problem
+            got = _flat(gradients(model))
+            if rows.most > max(sizes):
+                return (
+                    f"{where}: the model ran with gradients on {rows.most} rows at once, more "
+                    f"than a microbatch ({max(sizes)}): that holds the large batch's "
+                    "activations, which accumulation exists to avoid; embed without gradients "
+                    "first, then recompute one microbatch at a time"
+                )
+            if _close(got, reference):
+                continue
+            mistake = _diagnose_contrastive(model, window, got)
+            if mistake is not None:
+                return f"{where}: {mistake}"
+            error = float((got - reference).abs().max() / reference.abs().max())
+            return (
+                f"{where}: the gradient differs from the whole window's loss (max relative "
+                f"error {error:.3g} > {RTOL:g})"
+            )
+    return None
+
+
+contrastive_window = Exercise(
+    name="contrastive_window",
+    checker=check_contrastive_window,
+    hints=(
+        "Accumulating loss_fn per microbatch gives each query only its microbatch's keys as "
+        "negatives: a different loss. The window loss needs every embedding at once.",
+        "Embeddings are small: compute all of them under torch.no_grad(), concatenate, "
+        "mark them requires_grad_(), and backward loss_fn on them: .grad of each embedding "
+        "is d(window loss)/d(embedding).",
+        "Then, one microbatch at a time, recompute its embeddings with autograd on and call "
+        "torch.autograd.backward([q, k], [q_grad_rows, k_grad_rows]).",
+    ),
+    reference=inspect.getsource(reference_contrastive_window),
 )
