@@ -397,18 +397,20 @@ def _train(args: argparse.Namespace) -> int:
     if done and not args.resume:
         raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints; add "
                          "--resume to continue that run, or choose another directory")
-    record_path = shown_path = None
+    path = None
     if args.record is not None:
         path = default_record_path() if args.record is AUTO_RECORD else args.record
         if args.checkpoint_dir and str(path).strip():
             check_record_beside_checkpoints(Path(path), args.checkpoint_dir)
-        record_path = prepare_record_path(path, force=args.force)
-        shown_path = Path(path)
+    if done:
+        check_resume_settings(Path(args.checkpoint_dir), run_settings(args))
+    record_path = shown_path = None
+    if path is not None:
+        record_path, shown_path = prepare_record_path(path, force=args.force), Path(path)
 
     if args.checkpoint_dir:
         directory = Path(args.checkpoint_dir)
         if done:
-            check_resume_settings(directory, run_settings(args))
             print(f"resuming from {checkpoint.checkpoint_path(directory, done[0])}")
         else:
             if args.resume:
@@ -427,6 +429,13 @@ def _train(args: argparse.Namespace) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     objective = NextTokenLoss()
     attempts = {"n": 0}
+    lines = getattr(args, "warning_lines", None) or WarningLines()
+
+    def on_update(report: Any) -> None:
+        attempts["n"] += 1
+        lines.flush()  # resumed: what resume warned about goes out with the first update
+
+    lines.hold()
     try:
         ledger = train(
             model,
@@ -441,14 +450,19 @@ def _train(args: argparse.Namespace) -> int:
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
             resume=args.resume,
-            on_update=lambda report: attempts.update(n=attempts["n"] + 1),
+            on_update=on_update,
         )
     except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as exc:
+        lines.flush(_one_line(exc))
         if not (done and attempts["n"] == 0):
             raise
         raise CommandError(f"resuming from {args.checkpoint_dir} (newest checkpoint "
                            f"{checkpoint.checkpoint_path(args.checkpoint_dir, done[0]).name}) "
                            f"failed before the first update attempt: {_one_line(exc)}") from exc
+    except BaseException as exc:
+        lines.flush(_one_line(exc) if isinstance(exc, Exception) else "")
+        raise
+    lines.flush()
     # Precision, unit and the optimizer come from the ledger (train() notes what it used);
     # the learning rate is the optimizer's own after the run, the one every update used.
     extra = {"seed": args.seed, "learning_rate": optimizer.param_groups[0]["lr"],
@@ -528,17 +542,42 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-@contextlib.contextmanager
-def _one_line_warnings() -> Iterator[None]:
-    """Show every warning as ``accumlab: warning: <message>`` on one stderr line."""
+class WarningLines:
+    """Shows every warning as ``accumlab: warning: <message>`` on one stderr line.
 
-    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+    Between :meth:`hold` and :meth:`flush` the lines wait, so that an error which already
+    says what they say (e.g. "no intact checkpoint: <file> is not intact ...", after one
+    warning per file skipped) is the only line printed.
+    """
+
+    def __init__(self) -> None:
+        self.held: list[str] | None = None
+
+    def show(self, message: Any, category: Any, filename: str, lineno: int, file: Any = None,
              line: Any = None) -> None:  # fmt: skip
-        print(f"accumlab: warning: {' '.join(str(message).split())}", file=sys.stderr)
+        text = " ".join(str(message).split())
+        if self.held is not None:
+            self.held.append(text)
+        else:
+            print(f"accumlab: warning: {text}", file=sys.stderr)
 
+    def hold(self) -> None:
+        self.held = []
+
+    def flush(self, error: str = "") -> None:
+        """Print the held lines, but those whose first clause the ``error`` repeats."""
+        held, self.held = self.held or [], None
+        for text in held:
+            if not (error and text.split("; ")[0] in error):
+                print(f"accumlab: warning: {text}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _one_line_warnings() -> Iterator[WarningLines]:
+    lines = WarningLines()
     with warnings.catch_warnings():
-        warnings.showwarning = show
-        yield
+        warnings.showwarning = lines.show
+        yield lines
 
 
 @contextlib.contextmanager
@@ -574,7 +613,8 @@ def _interrupted(args: argparse.Namespace) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    with _one_line_warnings():
+    with _one_line_warnings() as lines:
+        args.warning_lines = lines
         try:
             return int(args.run(args))
         except KeyboardInterrupt:
@@ -583,7 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
         except (ValueError, TypeError) as exc:
             print(f"accumlab: error: {_one_line(exc)}", file=sys.stderr)
-            return 2
+            return 1 if type(exc).__name__ == "CorruptCheckpointError" else 2
         except (CommandError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
             print(f"accumlab: error: {_one_line(exc)}", file=sys.stderr)
             return 1

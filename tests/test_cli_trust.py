@@ -209,6 +209,48 @@ def test_a_corrupt_newest_checkpoint_is_one_line(tmp_path, damage):
         assert result.returncode == 1 and lines[0].startswith("accumlab: error: ")
 
 
+def test_no_intact_checkpoint_is_one_line(monkeypatch, capsys):
+    """The library warns once per damaged checkpoint it skips, then raises one error
+    naming them all: the command prints that error alone (exit 1: not a usage error)."""
+    import warnings
+
+    import accumlab.driver
+
+    class CorruptCheckpointError(ValueError):
+        pass
+
+    whys = [f"checkpoint ckpt/checkpoint-0000000{n}-rank0.pt is not intact: the file is empty"
+            for n in (3, 2)]
+
+    def all_damaged(*args, **kwargs):
+        for why in whys:
+            warnings.warn(f"{why}; resuming from the one before it instead", UserWarning, stacklevel=2)
+        warnings.warn("something else the user should see", UserWarning, stacklevel=2)
+        raise CorruptCheckpointError("no intact checkpoint in ckpt: " + "; ".join(whys))
+
+    monkeypatch.setattr(accumlab.driver, "train", all_damaged)
+    assert main(TINY) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "accumlab: warning: something else the user should see",
+        "accumlab: error: no intact checkpoint in ckpt: " + "; ".join(whys),
+    ]
+
+
+def test_every_checkpoint_damaged_from_the_command_line(tmp_path):
+    import accumlab.checkpoint
+
+    if not hasattr(accumlab.checkpoint, "CorruptCheckpointError"):
+        pytest.skip("the library does not check checkpoint integrity yet")
+    ckpt = tmp_path / "ckpt"
+    assert cli(*SMALL, "--updates", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1").returncode == 0
+    for name in ("checkpoint-00000001-rank0.pt", "checkpoint-00000002-rank0.pt"):
+        (ckpt / name).write_bytes(b"")
+    result = cli(*SMALL, "--updates", "3", "--checkpoint-dir", str(ckpt), "--resume")
+    assert result.returncode == 1
+    line = one_line(result.stderr)
+    assert line.startswith("accumlab: error: ") and "checkpoint-00000001" in line and "checkpoint-00000002" in line
+
+
 def test_a_library_warning_is_one_line(monkeypatch, capsys):
     import warnings
 
