@@ -1,0 +1,744 @@
+"""A corpus of user window loops for ``al.audit``, correct and buggy, in different styles.
+
+Every loop is a user's ``train_one_window(model, optimizer, scheduler, window)``.
+``EXPECTED[loop]`` is the exact verdict: ``OK`` for a correct loop, else the exact set of
+mistake names and whether findings outside the vocabulary (``report.other``) are expected.
+Styles: manual shifted cross-entropy with ``reduction="sum"``, Hugging Face ``labels=``
+(the model's own ``.loss``) with or without ``num_items_in_batch``, per-token losses,
+per-row loops, one forward for the whole window, no-grad or eval-mode forwards for
+logging, and the classic symptoms of the course (double division, average of averages,
+ignored tokens, misplaced ``zero_grad``/``step``, kept references, scheduler per
+microbatch), plus lost, duplicated and misaligned data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# -- helpers a user would write ----------------------------------------------------------
+
+
+def targets(window):
+    """Supervised targets of the window: labels after the shift, -100 excluded."""
+    return sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in window)
+
+
+def logits_of(model, mb):
+    return model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+
+
+def shifted_sum(logits, labels):
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)),
+        labels[:, 1:].reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
+    )
+
+
+def loss_sum(model, mb):
+    return shifted_sum(logits_of(model, mb), mb["labels"])
+
+
+def mean_loss(model, mb):
+    logits = logits_of(model, mb)
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)), mb["labels"][:, 1:].reshape(-1)
+    )
+
+
+def rows_of(mb):
+    """Each row of a microbatch as its own microbatch of one example, padding kept."""
+    return [{k: v[r : r + 1] for k, v in mb.items()} for r in range(mb["input_ids"].shape[0])]
+
+
+def trimmed_rows_of(mb):
+    """Each row of a microbatch as its own microbatch of one example, padding removed."""
+    out = []
+    for r in range(mb["input_ids"].shape[0]):
+        n = int(mb["attention_mask"][r].sum())
+        out.append({k: v[r : r + 1, :n] for k, v in mb.items()})
+    return out
+
+
+LOG: list = []  # a user's log; report_of clears it around every audit
+_REPORTS: dict = {}
+
+
+def report_of(loop):
+    """``al.audit(loop)``, once per test session (shared by every audit test file)."""
+    if loop not in _REPORTS:
+        import accumlab as al
+
+        LOG.clear()
+        _REPORTS[loop] = al.audit(loop)
+        LOG.clear()
+    return _REPORTS[loop]
+
+
+@dataclass(frozen=True)
+class Expect:
+    mistakes: frozenset[str] = frozenset()
+    other: bool = False  # findings outside the vocabulary expected
+
+    @property
+    def ok(self) -> bool:
+        return not self.mistakes and not self.other
+
+
+OK = Expect()
+
+
+def bad(*names: str, other: bool = False) -> Expect:
+    return Expect(frozenset(names), other)
+
+
+# -- correct loops -----------------------------------------------------------------------
+
+
+def plain(model, optimizer, scheduler, window):
+    optimizer.zero_grad(set_to_none=True)
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def no_sync_style(model, optimizer, scheduler, window):
+    total = targets(window)
+    for i, mb in enumerate(window):
+        sync = i == len(window) - 1 or not hasattr(model, "no_sync")
+        with contextlib.nullcontext() if sync else model.no_sync():
+            (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    model.zero_grad(set_to_none=True)  # cleared after the step, ready for the next window
+    scheduler.step()
+
+
+def per_token_losses(model, optimizer, scheduler, window):
+    optimizer.zero_grad(set_to_none=False)  # zeroed gradient tensors live on: not a leak
+    total = sum(int(mb["labels"][:, 1:].ne(-100).sum()) for mb in window)
+    logged = 0.0
+    for mb in window:
+        logits = model(**{k: v for k, v in mb.items() if k != "labels"}).logits
+        per_token = F.cross_entropy(
+            logits[:, :-1].transpose(1, 2), mb["labels"][:, 1:], reduction="none"
+        )  # 0 at ignored positions
+        part = per_token.sum()
+        (part / total).backward()
+        logged += part.item()
+        del logits, per_token, part
+    optimizer.step()
+    scheduler.step()
+    return logged / total
+
+
+def hf_num_items(model, optimizer, scheduler, window):
+    """Hugging Face style: the model's .loss, a sum over num_items_in_batch."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        model(**mb, num_items_in_batch=total).loss.backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def hf_num_items_tensor(model, optimizer, scheduler, window):
+    """num_items_in_batch as a tensor, counted with the same shift the model applies."""
+    optimizer.zero_grad()
+    total = torch.stack([(mb["labels"][..., 1:] != -100).sum() for mb in window]).sum()
+    for mb in window:
+        out = model(input_ids=mb["input_ids"], labels=mb["labels"], num_items_in_batch=total)
+        out.loss.backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def hf_mean_times_count(model, optimizer, scheduler, window):
+    """The model's per-microbatch mean times its target count: a sum again."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        n = int((mb["labels"][:, 1:] != -100).sum())
+        (model(**mb).loss * n / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def per_row(model, optimizer, scheduler, window):
+    """One row at a time (a microbatch of one example), padding kept."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        for row in rows_of(mb):
+            (loss_sum(model, row) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def per_row_trimmed(model, optimizer, scheduler, window):
+    """One row at a time, each cut to its attention mask (no padding at all)."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        for row in trimmed_rows_of(mb):
+            model(**row, num_items_in_batch=total).loss.backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def whole_window_in_one_forward(model, optimizer, scheduler, window):
+    """All microbatches padded to one width and run as one forward pass."""
+    optimizer.zero_grad()
+    width = max(mb["input_ids"].shape[1] for mb in window)
+
+    def pad(t, value):
+        return F.pad(t, (0, width - t.shape[1]), value=value)
+
+    ids = torch.cat([pad(mb["input_ids"], 0) for mb in window])
+    labels = torch.cat([pad(mb["labels"], -100) for mb in window])
+    (shifted_sum(model(input_ids=ids).logits, labels) / targets(window)).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def logs_no_grad_loss_first(model, optimizer, scheduler, window):
+    """Logs each microbatch's loss under no_grad before training on it."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        with torch.no_grad():
+            LOG.append(loss_sum(model, mb).item())
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def eval_forward_first(model, optimizer, scheduler, window):
+    """An eval-mode, no-grad pass over the whole window before training on it."""
+    model.eval()
+    with torch.no_grad():
+        LOG.append(sum(loss_sum(model, mb).item() for mb in window))
+    model.train()
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def forward_without_backward_first(model, optimizer, scheduler, window):
+    """A forward pass with autograd on whose graph is dropped unused (only .item())."""
+    LOG.append(loss_sum(model, window[0]).item())
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def evaluates_after_step(model, optimizer, scheduler, window):
+    """Logs the loss at the new weights, after the update, without a graph."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+    with torch.no_grad():
+        LOG.append(sum(loss_sum(model, mb).item() for mb in window) / total)
+
+
+def detached_logging(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        part = loss_sum(model, mb)
+        (part / total).backward()
+        LOG.append(part.detach())  # a 0-d tensor without a graph
+    optimizer.step()
+    scheduler.step()
+
+
+def shifted_copy_of_labels(model, optimizer, scheduler, window):
+    """Shifts a copy of the labels (never the window's own tensor), then CE over all
+    positions: the same loss as the shifted one."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        labels = mb["labels"].clone()
+        labels[:, :-1] = mb["labels"][:, 1:]
+        labels[:, -1] = -100
+        logits = logits_of(model, mb)
+        loss = F.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        (loss / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+# -- one mistake each --------------------------------------------------------------------
+
+
+def double_division(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total / len(window)).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def hf_num_items_over_a(model, optimizer, scheduler, window):
+    """num_items_in_batch already normalizes; the extra / A divides twice."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (model(**mb, num_items_in_batch=total).loss / len(window)).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def average_of_averages(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    for mb in window:
+        (mean_loss(model, mb) / len(window)).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def hf_loss_over_a(model, optimizer, scheduler, window):
+    """The model's own per-microbatch mean, divided by A: the average of averages again."""
+    optimizer.zero_grad()
+    for mb in window:
+        (model(**mb).loss / len(window)).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def per_row_means(model, optimizer, scheduler, window):
+    """Each example's mean loss, averaged over the window's examples."""
+    optimizer.zero_grad()
+    rows = sum(mb["input_ids"].shape[0] for mb in window)
+    for mb in window:
+        for row in rows_of(mb):
+            (model(**row).loss / rows).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def ignored_tokens_counted(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    total = sum(mb["labels"][:, 1:].numel() for mb in window)  # -100 positions included
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def mask_counted(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    total = sum(int(mb["attention_mask"].sum()) for mb in window)  # prompt tokens included
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def zero_grad_in_window(model, optimizer, scheduler, window):
+    total = targets(window)
+    for mb in window:
+        optimizer.zero_grad()
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def grads_dropped_by_hand(model, optimizer, scheduler, window):
+    total = targets(window)
+    for mb in window:
+        for p in model.parameters():
+            p.grad = None  # no zero_grad call to see: only the measured weights tell
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def no_update(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+    scheduler.step()
+
+
+def step_per_microbatch(model, optimizer, scheduler, window):
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    scheduler.step()
+
+
+def scheduler_per_microbatch(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+        scheduler.step()
+    optimizer.step()
+
+
+def kept_losses(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        loss = loss_sum(model, mb) / total
+        loss.backward()
+        LOG.append(loss)  # the log keeps the tensor and its graph, window after window
+    optimizer.step()
+    scheduler.step()
+
+
+def kept_logits(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        logits = logits_of(model, mb)
+        LOG.append(logits.detach())  # no graph, but the activations stay
+        (shifted_sum(logits, mb["labels"]) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+# -- lost, duplicated and misaligned data -------------------------------------------------
+
+
+def skips_first(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window[1:]:  # off by one: microbatch 0 never trains
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def all_but_last(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    part = window[:-1]
+    total = targets(part)  # normalized over what it trains, but the last microbatch is lost
+    for mb in part:
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def pops_microbatches(model, optimizer, scheduler, window):
+    """Pops from the list while iterating over it: every other microbatch is skipped."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+        window.pop(0)
+    optimizer.step()
+    scheduler.step()
+
+
+def first_popped_for_logging(model, optimizer, scheduler, window):
+    """The first microbatch is popped to log a loss and never trained."""
+    optimizer.zero_grad()
+    first = window.pop(0)
+    with torch.no_grad():
+        LOG.append(mean_loss(model, first).item())
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def only_last_microbatch(model, optimizer, scheduler, window):
+    """The loop body is outside the for loop: only the last microbatch trains."""
+    optimizer.zero_grad()
+    for mb in window:  # noqa: B007  (the body below was meant to be inside)
+        pass
+    model(**mb).loss.backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def only_last_over_window_targets(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    total = targets(window)
+    mb = window[-1]
+    (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def drops_last_row(model, optimizer, scheduler, window):
+    """Slices one row too few out of every microbatch."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        n = mb["input_ids"].shape[0]
+        part = {k: v[: max(n - 1, 1)] for k, v in mb.items()}
+        (loss_sum(model, part) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def first_microbatch_twice(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in [*window, window[0]]:
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def window_twice(model, optimizer, scheduler, window):
+    """Two passes over the window before one update."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for _ in range(2):
+        for mb in window:
+            (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def labels_not_shifted(model, optimizer, scheduler, window):
+    """Cross-entropy of every position against its own token."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        logits = logits_of(model, mb)
+        loss = F.cross_entropy(
+            logits.flatten(0, 1), mb["labels"].flatten(), ignore_index=-100, reduction="sum"
+        )
+        (loss / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def hf_labels_not_shifted_mean(model, optimizer, scheduler, window):
+    """No shift, the mean over each microbatch's positions / A."""
+    optimizer.zero_grad()
+    for mb in window:
+        logits = logits_of(model, mb)
+        (F.cross_entropy(logits.flatten(0, 1), mb["labels"].flatten()) / len(window)).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def shifts_in_place_then_hf(model, optimizer, scheduler, window):
+    """Shifts the window's labels in place, then lets the model shift them again."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        labels = mb["labels"]
+        labels[:, :-1] = labels[:, 1:].clone()
+        labels[:, -1] = -100
+        model(**mb, num_items_in_batch=total).loss.backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def shifts_in_place(model, optimizer, scheduler, window):
+    """The right loss, but the window's labels are shifted in place: a data set that is
+    read again (the next epoch, a retried window) is shifted once more."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        labels = mb["labels"]
+        labels[:, :-1] = labels[:, 1:].clone()
+        labels[:, -1] = -100
+        logits = logits_of(model, mb)
+        loss = F.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        (loss / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+# -- outside the vocabulary ----------------------------------------------------------------
+
+
+def never_cleared(model, optimizer, scheduler, window):
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def undivided(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    for mb in window:
+        loss_sum(model, mb).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def without_scheduler(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+
+
+def clipped_below_the_norm(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    optimizer.step()
+    scheduler.step()
+
+
+def doubled_loss(model, optimizer, scheduler, window):
+    """Every contribution twice as large, with one backward pass each: no named mistake."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (2 * loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+# -- combinations --------------------------------------------------------------------------
+
+
+def clinic_classic(model, optimizer, scheduler, window):
+    """zero_grad, mean / A and the scheduler all inside the microbatch loop."""
+    for mb in window:
+        optimizer.zero_grad()
+        (mean_loss(model, mb) / len(window)).backward()
+        scheduler.step()
+    optimizer.step()
+
+
+def every_microbatch(model, optimizer, scheduler, window):
+    """A loop without accumulation that still divides by A."""
+    total = targets(window)
+    for mb in window:
+        optimizer.zero_grad()
+        (loss_sum(model, mb) / total / len(window)).backward()
+        optimizer.step()
+        scheduler.step()
+
+
+def mean_over_positions(model, optimizer, scheduler, window):
+    """Mean over every position (ignored ones as zeros), per microbatch, / A twice."""
+    optimizer.zero_grad()
+    for mb in window:
+        logits = logits_of(model, mb)
+        per = F.cross_entropy(logits[:, :-1].transpose(1, 2), mb["labels"][:, 1:], reduction="none")
+        (per.mean() / len(window) / len(window)).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def forgot_step_and_kept(model, optimizer, scheduler, window):
+    for mb in window:
+        loss = mean_loss(model, mb)
+        loss.backward()
+        LOG.append(loss)
+    scheduler.step()
+
+
+def review_window(model, optimizer, scheduler, window):
+    """Notebook 07's review loop: four mistakes at once."""
+    for mb in window:
+        optimizer.zero_grad()
+        loss = model(**mb).loss / len(window)
+        loss.backward()
+        LOG.append(loss)
+        scheduler.step()
+    optimizer.step()
+
+
+def skips_first_mean_over_a(model, optimizer, scheduler, window):
+    """Loses microbatch 0 and averages the microbatch means."""
+    optimizer.zero_grad()
+    for mb in window[1:]:
+        (mean_loss(model, mb) / len(window)).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+EXPECTED: dict = {
+    # correct
+    plain: OK,
+    no_sync_style: OK,
+    per_token_losses: OK,
+    hf_num_items: OK,
+    hf_num_items_tensor: OK,
+    hf_mean_times_count: OK,
+    per_row: OK,
+    per_row_trimmed: OK,
+    whole_window_in_one_forward: OK,
+    logs_no_grad_loss_first: OK,
+    eval_forward_first: OK,
+    forward_without_backward_first: OK,
+    evaluates_after_step: OK,
+    detached_logging: OK,
+    shifted_copy_of_labels: OK,
+    # one mistake each
+    double_division: bad("double_division"),
+    hf_num_items_over_a: bad("double_division"),
+    average_of_averages: bad("average_of_averages"),
+    hf_loss_over_a: bad("average_of_averages"),
+    per_row_means: bad("average_of_averages"),
+    ignored_tokens_counted: bad("ignored_tokens_counted"),
+    mask_counted: bad("ignored_tokens_counted"),
+    zero_grad_in_window: bad("zero_grad_in_window"),
+    grads_dropped_by_hand: bad("zero_grad_in_window"),
+    no_update: bad("no_update"),
+    step_per_microbatch: bad("step_per_microbatch"),
+    scheduler_per_microbatch: bad("scheduler_per_microbatch"),
+    kept_losses: bad("kept_references"),
+    kept_logits: bad("kept_references"),
+    # lost, duplicated, misaligned
+    skips_first: bad("lost_microbatches"),
+    all_but_last: bad("lost_microbatches"),
+    pops_microbatches: bad("lost_microbatches"),
+    first_popped_for_logging: bad("lost_microbatches"),
+    only_last_microbatch: bad("lost_microbatches"),
+    only_last_over_window_targets: bad("lost_microbatches"),
+    drops_last_row: bad("lost_microbatches"),
+    first_microbatch_twice: bad("duplicated_microbatch"),
+    window_twice: bad("duplicated_microbatch"),
+    labels_not_shifted: bad("labels_not_shifted"),
+    hf_labels_not_shifted_mean: bad("labels_not_shifted", "average_of_averages"),
+    shifts_in_place_then_hf: bad("labels_shifted_twice", "window_modified_in_place"),
+    shifts_in_place: bad("window_modified_in_place"),
+    # outside the vocabulary
+    never_cleared: bad(other=True),
+    undivided: bad(other=True),
+    without_scheduler: bad(other=True),
+    clipped_below_the_norm: bad(other=True),
+    doubled_loss: bad(other=True),
+    # combinations
+    clinic_classic: bad("average_of_averages", "zero_grad_in_window", "scheduler_per_microbatch"),
+    every_microbatch: bad("double_division", "step_per_microbatch", "scheduler_per_microbatch"),
+    mean_over_positions: bad("double_division", "average_of_averages", "ignored_tokens_counted"),
+    forgot_step_and_kept: bad("no_update", "kept_references"),
+    review_window: bad(
+        "average_of_averages", "zero_grad_in_window", "scheduler_per_microbatch", "kept_references"
+    ),
+    skips_first_mean_over_a: bad("lost_microbatches", "average_of_averages"),
+}
