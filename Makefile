@@ -141,6 +141,19 @@ nbval-matrix: $(VENV)/.installed-dev
 notebooks: $(VENV)/.installed-dev
 	$(TEST_ENV) $(BIN)/python tools/run_notebooks.py $(NOTEBOOKS)
 
+# The course as a static HTML book in site/ (git-ignored), from the committed notebooks
+# without running them; Sphinx warnings are errors. Then tools/check_site.py checks it:
+# every lesson has a page, every image and local link resolves. Open site/index.html.
+.PHONY: site
+$(VENV)/.installed-site: $(VENV)/.installed-core
+	@echo "installing the site tools (Sphinx, myst-nb, sphinx-book-theme) ..."
+	$(PIP) -e ".[site]"
+	@touch $@
+
+site: $(VENV)/.installed-site
+	$(BIN)/python tools/build_site.py
+	$(BIN)/python tools/check_site.py
+
 # Ratios measured side by side in one run; see benchmarks/README.md.
 bench: $(VENV)/.installed-dev
 	for b in loop_overhead precision_cost memory_peak ddp_no_sync loss_memory fsdp2_sync; do \

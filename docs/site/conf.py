@@ -1,0 +1,76 @@
+"""Sphinx configuration of the course site (built by tools/build_site.py, `make site`).
+
+The sources Sphinx reads are not this folder: tools/build_site.py assembles them in
+build/site-src/ (this folder's pages, the notebooks from notebooks/ and the two docs from
+docs/, with a "run this notebook" box added and links to repository files rewritten), then
+runs ``sphinx-build -W --keep-going -c docs/site build/site-src site``. Nothing is executed:
+the notebooks' saved outputs are what the site shows.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE / "_ext"))
+sys.path.insert(0, str(REPO))  # autodoc imports this checkout's accumlab
+sys.path.insert(0, str(REPO / "tools"))
+
+from build_site import project_urls  # noqa: E402  (one reader of pyproject.toml)
+
+import accumlab  # noqa: E402
+
+project = "accumlab"
+author = "the accumlab authors"
+copyright = "the accumlab authors"  # noqa: A001  (Sphinx's name)
+release = version = accumlab.__version__
+
+extensions = [
+    "myst_nb",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "accumlab_site",
+]
+
+# Notebooks are shown as committed: saved outputs, figures and widget state, never re-run.
+nb_execution_mode = "off"
+# ipywidgets' JavaScript comes from a CDN; accumlab_site draws the widgets' saved state as
+# static HTML instead, so pages read the same offline.
+nb_ipywidgets_js = {}
+nb_merge_streams = True
+myst_heading_anchors = 4
+myst_enable_extensions = ["colon_fence"]
+suppress_warnings = ["myst.header"]  # notebook titles are '# 00 · ...' then '##' sections
+
+exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
+root_doc = "index"
+
+# API reference: docstrings are reST with Google-style sections where they have them.
+autodoc_member_order = "bysource"
+autodoc_typehints = "signature"
+autodoc_default_options = {"members": True, "show-inheritance": False}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+
+urls = project_urls()
+html_theme = "sphinx_book_theme"
+html_title = "accumlab: gradient accumulation in PyTorch"
+html_static_path = [str(HERE / "_static")]
+html_css_files = ["accumlab.css"]
+html_favicon = str(HERE / "_static" / "favicon.svg")  # else browsers ask for a missing /favicon.ico
+html_last_updated_fmt = None
+html_show_sourcelink = False
+html_copy_source = False
+# The theme's colour mode on a first visit (empty, its script logs a console error).
+html_context = {"default_mode": "auto"}
+html_theme_options = {
+    "repository_url": urls["Repository"],
+    "repository_branch": "main",
+    "use_repository_button": True,
+    "show_toc_level": 2,
+    "home_page_in_toc": True,
+    "path_to_docs": "",
+}

@@ -1,0 +1,218 @@
+"""The course site: tools/build_site.py's pieces, the static widget drawing, and
+tools/check_site.py catching what a broken site looks like.
+
+The full build (`make site`: Sphinx over every notebook, warnings as errors, then the
+check) runs once here, in a temporary folder, when Sphinx and myst-nb are installed (the
+``site`` extra); the unit tests below need neither.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "docs" / "site" / "_ext"))
+
+import build_site  # noqa: E402
+import check_site  # noqa: E402
+
+LESSONS = sorted(p.stem for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+HAVE_SPHINX = all(importlib.util.find_spec(m) for m in ("sphinx", "myst_nb", "sphinx_book_theme"))
+
+
+# --- assembling the sources ---------------------------------------------------------------
+
+
+def test_project_urls_name_an_https_repository():
+    urls = build_site.project_urls()
+    assert urls["Repository"].startswith("https://") and not urls["Repository"].endswith("/")
+
+
+def test_hosted_links_open_the_notebook_of_the_repository():
+    links = build_site.hosted_links("https://github.com/acme/course", "01_x.ipynb")
+    assert links["Colab"] == "https://colab.research.google.com/github/acme/course/blob/main/notebooks/01_x.ipynb"
+    assert links["Binder"] == "https://mybinder.org/v2/gh/acme/course/main?labpath=notebooks%2F01_x.ipynb"
+    with pytest.raises(build_site.SiteError, match="github.com"):
+        build_site.hosted_links("https://gitlab.com/acme/course", "01_x.ipynb")
+
+
+def test_links_go_to_pages_or_to_the_repository_and_missing_files_stop_the_build():
+    pages = {"accumlab/loop.py": "reference/loop.md", "docs/WORKSHOP.md": "docs/workshop.md"}
+    repo = "https://github.com/acme/course"
+    text = (
+        "[loop](../accumlab/loop.py) [kit](../docs/WORKSHOP.md#the-plan-3-hours) "
+        "[plan](../accumlab/plan.py) ![x](https://e.org/a.png) [here](#top)"
+    )
+    out = build_site.rewrite_links(text, "notebooks/01.ipynb", "lessons/01.ipynb", pages, repo)
+    assert "[loop](../reference/loop.md)" in out
+    assert "[kit](../docs/workshop.md#the-plan-3-hours)" in out
+    assert f"[plan]({repo}/blob/main/accumlab/plan.py)" in out
+    assert "![x](https://e.org/a.png)" in out and "[here](#top)" in out
+    with pytest.raises(build_site.SiteError, match="missing file 'accumlab/nope.py'"):
+        build_site.rewrite_links("[a](../accumlab/nope.py)", "notebooks/01.ipynb", "x.md", pages, repo)
+
+
+def test_the_landing_table_lists_every_lesson_with_what_it_teaches_and_its_time():
+    titles = {s: f"Title {s}" for s in LESSONS}
+    table = build_site.course_table(LESSONS, titles).splitlines()
+    assert len(table) == 2 + len(LESSONS)
+    readme = build_site.course_rows((REPO / "README.md").read_text(encoding="utf-8"))
+    for stem, row in zip(LESSONS, table[2:], strict=True):
+        assert f"[Title {stem}](lessons/{stem}.ipynb)" in row
+        assert readme[stem][0] in row  # what it teaches, from README.md
+        assert re.search(r"\| [\d.]+ s \|$", row)  # its run-all time, from docs/WORKSHOP.md
+
+
+def test_a_readme_without_the_course_table_is_an_error():
+    with pytest.raises(build_site.SiteError, match="The course"):
+        build_site.course_rows("# accumlab\n\nno table here\n")
+
+
+def test_the_run_box_links_to_local_and_hosted_runs_and_to_the_loop_where_taught():
+    box = build_site.run_box("01_single_device_loop", "https://github.com/acme/course")
+    assert "make lab" in box and "colab.research.google.com/github/acme/course" in box
+    assert "mybinder.org/v2/gh/acme/course" in box and "reference/loop.md" in box
+    assert "reference/loop.md" not in build_site.run_box("02_token_weighting", "https://github.com/a/b")
+
+
+def test_assembled_sources_have_every_lesson_once_with_its_box(tmp_path):
+    stems = build_site.assemble(tmp_path / "src")
+    assert stems == LESSONS
+    for stem in LESSONS:
+        nb = json.loads((tmp_path / "src" / "lessons" / f"{stem}.ipynb").read_text(encoding="utf-8"))
+        boxes = [c for c in nb["cells"] if c.get("id") == "run-this-notebook"]
+        assert len(boxes) == 1 and nb["cells"][1] is boxes[0]  # right under the title
+        assert nb["cells"][0]["source"].startswith("# ") and nb["cells"][0]["source"].count("\n") <= 1
+        original = json.loads((REPO / "notebooks" / f"{stem}.ipynb").read_text(encoding="utf-8"))
+        words = lambda cells: sum(len(re.findall(r"\w+", "".join(c["source"]))) for c in cells if c.get("id") != "run-this-notebook")  # noqa: E731
+        assert words(nb["cells"]) == words(original["cells"])  # no text lost in the split
+    index = (tmp_path / "src" / "index.md").read_text(encoding="utf-8")
+    assert "{{" not in index and "docs/workshop.md" in index
+    api = (tmp_path / "src" / "reference" / "api.md").read_text(encoding="utf-8")
+    import accumlab
+
+    for name in accumlab.__all__:
+        assert f"accumlab.{name}\n" in api or f"accumlab.{name} " in api, name
+
+
+# --- the static drawing of saved widgets --------------------------------------------------
+
+
+def test_saved_widgets_are_drawn_from_their_state():
+    import accumlab_site
+
+    state = {
+        "box": {"model_name": "VBoxModel", "state": {"children": ["IPY_MODEL_s", "IPY_MODEL_h"]}},
+        "s": {
+            "model_name": "IntSliderModel",
+            "state": {"description": "A <x>", "value": 8, "min": 1, "max": 64, "step": 1, "readout_format": "d"},
+        },
+        "h": {"model_name": "HTMLModel", "state": {"value": "<b>64</b>"}},
+    }
+    drawn = accumlab_site.widget_html({"model_id": "box"}, state)
+    assert 'type="range" min="1" max="64" step="1" value="8" disabled' in drawn
+    assert "A &lt;x&gt;" in drawn and "<b>64</b>" in drawn and "<script" not in drawn
+    with pytest.raises(accumlab_site.WidgetStateError, match="not in the notebook's saved state"):
+        accumlab_site.widget_html({"model_id": "gone"}, state)
+
+
+def test_every_saved_widget_of_the_course_can_be_drawn():
+    import accumlab_site
+
+    views = 0
+    for stem in LESSONS:
+        path = REPO / "notebooks" / f"{stem}.ipynb"
+        state = accumlab_site.notebook_widget_state(path)
+        for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+            for out in cell.get("outputs", []):
+                view = out.get("data", {}).get(accumlab_site.VIEW_MIME)
+                if view:
+                    views += 1
+                    assert 'class="static-widget"' in accumlab_site.widget_html(view, state)
+    assert views >= 2  # notebooks 00 and 02 ship a widget each
+
+
+# --- the check catches a broken site ------------------------------------------------------
+
+
+def _page(path: Path, body: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"<html><body>{body}</body></html>", encoding="utf-8")
+
+
+def _good_site(site: Path) -> None:
+    """A minimal site that passes: every lesson, linked in order, the loop page, search."""
+    lessons = "".join(f'<a href="lessons/{s}.html">{s}</a>' for s in LESSONS)
+    _page(site / "index.html", f'<a id="top" href="#top">top</a>{lessons}<img src="_images/a.png">')
+    (site / "_images").mkdir()
+    (site / "_images" / "a.png").write_bytes(b"\x89PNG")
+    for i, stem in enumerate(LESSONS):
+        near = [LESSONS[j] for j in (i - 1, i + 1) if 0 <= j < len(LESSONS)]
+        links = "".join(f'<a href="{s}.html">n</a>' for s in near) + '<a href="../reference/loop.html">loop</a>'
+        _page(site / "lessons" / f"{stem}.html", links + '<a href="../index.html#top">home</a>')
+    shown = "".join(f"<pre>{html.escape(source)}</pre>" for source in check_site.loop_functions().values())
+    _page(site / "reference" / "loop.html", shown)
+    (site / "searchindex.js").write_text('Search.setIndex({"terms": {"no_sync": [1]}})')
+
+
+def test_a_complete_site_passes(tmp_path):
+    _good_site(tmp_path)
+    assert check_site.check_site(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        (lambda s: (s / "lessons" / f"{LESSONS[3]}.html").unlink(), f"has no page lessons/{LESSONS[3]}.html"),
+        (lambda s: (s / "_images" / "a.png").unlink(), "missing or empty image _images/a.png"),
+        (lambda s: (s / "_images" / "a.png").write_bytes(b""), "missing or empty image"),
+        (lambda s: _page(s / "extra.html", '<a href="nowhere.html">x</a>'), "missing or empty target nowhere.html"),
+        (lambda s: _page(s / "extra.html", '<a href="index.html#gone">x</a>'), "points to no id on index.html"),
+        (lambda s: _page(s / "lessons" / f"{LESSONS[1]}.html", "no links"), "does not link to its neighbour"),
+        (lambda s: _page(s / "reference" / "loop.html", "def accumulate("), "does not show accumulate in full"),
+        (lambda s: (s / "searchindex.js").write_text("{}"), "does not hold no_sync"),
+    ],
+)
+def test_the_check_names_what_is_broken(tmp_path, breakage, message):
+    _good_site(tmp_path)
+    breakage(tmp_path)
+    problems = check_site.check_site(tmp_path)
+    assert any(message in p for p in problems), problems
+
+
+# --- the real build -----------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not HAVE_SPHINX, reason="needs the site extra: pip install -e '.[site]'")
+def test_make_site_builds_every_lesson_offline_and_the_check_passes(tmp_path):
+    out = tmp_path / "site"
+    build = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "build_site.py"), "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stdout + build.stderr
+    assert "WARNING" not in build.stderr
+    check = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "check_site.py"), str(out)], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stderr
+    for stem in LESSONS:
+        page = (out / "lessons" / f"{stem}.html").read_text(encoding="utf-8")
+        assert "Run this notebook" in page and "colab.research.google.com" in page
+        # nothing from a CDN: every script and stylesheet is local
+        remote = re.findall(r'<(?:script|link)[^>]+(?:src|href)="(https?:[^"]+)"', page)
+        assert [u for u in remote if not u.startswith("https://github.com")] == [], remote
+        assert "application/vnd.jupyter.widget-view+json" not in page
+    widget = (out / "lessons" / "00_start_here.html").read_text(encoding="utf-8")
+    assert 'class="static-widget"' in widget and 'type="range"' in widget
+    shutil.rmtree(out)
