@@ -28,16 +28,20 @@ from torch import Tensor, nn
 
 from .objectives import NextTokenLoss
 
-#: Bytes of one chunk's float32 logits when ``chunk_size`` is not given (16 MiB): the
-#: chunk is ``max(1, DEFAULT_CHUNK_BYTES // (4 × V))`` tokens (131 at V = 32,000, 32 at
-#: V = 128,256), so the loss's extra memory does not grow with the vocabulary.
-DEFAULT_CHUNK_BYTES = 16 * 2**20
+#: Bytes of one chunk's float32 logits when ``chunk_size`` is not given, per device type:
+#: 8 MiB on a CPU (65 tokens at V = 32,000, 16 at V = 128,256), where a small chunk costs
+#: no speed; 64 MiB elsewhere (a GPU), since a matmul of a few dozen rows against a
+#: ``[V, H]`` weight reads the whole weight for little arithmetic, and a few hundred rows
+#: keep the accelerator busy (524 tokens at V = 32,000, 130 at V = 128,256). Either way
+#: the extra memory is fixed, whatever the vocabulary and the microbatch.
+DEFAULT_CHUNK_BYTES: dict[str, int] = {"cpu": 8 * 2**20, "other": 64 * 2**20}
 
 
-def default_chunk_size(vocab_size: int) -> int:
-    """Tokens per chunk for a vocabulary of ``vocab_size``: a float32 chunk of logits
-    takes at most ``DEFAULT_CHUNK_BYTES`` (at least one token)."""
-    return max(1, DEFAULT_CHUNK_BYTES // (4 * int(vocab_size)))
+def default_chunk_size(vocab_size: int, device_type: str = "cpu") -> int:
+    """Tokens per chunk for a vocabulary of ``vocab_size`` on ``device_type``: a float32
+    chunk of logits takes at most ``DEFAULT_CHUNK_BYTES[device]`` (at least one token)."""
+    budget = DEFAULT_CHUNK_BYTES["cpu" if device_type == "cpu" else "other"]
+    return max(1, budget // (4 * int(vocab_size)))
 
 
 def hidden_states_of(output: Any) -> Tensor:
@@ -103,38 +107,56 @@ def _chunked_pass(
         b = bias.to(cdt) if bias is not None else None
         for start in range(0, rows.numel(), chunk_size):
             index = rows[start : start + chunk_size]
-            target = targets[start : start + chunk_size]
-            h = hidden.index_select(0, index).to(cdt)
-            logits = F.linear(h, w, b)  # (chunk, V): the only vocabulary-sized buffers
-            z = logits.to(wide)  # the same tensor unless the logits are half precision
-            del logits
-            picked = z.gather(1, target[:, None])
-            top = z.amax(dim=1, keepdim=True)
-            z.sub_(top).exp_()
-            norm = z.sum(dim=1, keepdim=True)
-            total += (top + norm.log() - picked).sum()
-            if not (need_h or need_w or need_b):
-                continue
-            # d(sum of CE)/d(logits) = softmax - one_hot(target), in the compute dtype as
-            # autograd hands it to the head's matmul under autocast
-            z.div_(norm)
-            z.scatter_add_(1, target[:, None], torch.full_like(picked, -1.0))
-            d = z.to(cdt)
-            del z
-            if grad_h is not None:
-                grad_h.index_copy_(0, index, (d @ w).to(grad_h.dtype))
-            if grad_w is not None and d.dtype == wide:
-                grad_w.addmm_(d.t(), h)
-            elif grad_w is not None:  # a half-precision product, summed in float32
-                grad_w += (d.t() @ h).to(wide)
-            if grad_b is not None:
-                grad_b += d.sum(dim=0, dtype=wide)
+            total += _one_chunk(
+                hidden, w, b, index, targets[start : start + chunk_size], wide,
+                grad_h, grad_w, grad_b,
+            )  # fmt: skip
     return total, grad_h, grad_w, grad_b
+
+
+def _one_chunk(
+    hidden: Tensor,
+    w: Tensor,
+    b: Tensor | None,
+    index: Tensor,
+    target: Tensor,
+    wide: torch.dtype,
+    grad_h: Tensor | None,
+    grad_w: Tensor | None,
+    grad_b: Tensor | None,
+) -> Tensor:
+    """One chunk: the summed cross-entropy of rows ``index`` of ``hidden``, its gradients
+    added into ``grad_h``/``grad_w``/``grad_b`` (those that are not None). Every
+    vocabulary-sized buffer is local, so it is freed before the next chunk starts."""
+    h = hidden.index_select(0, index).to(w.dtype)
+    z = F.linear(h, w, b).to(wide)  # (chunk, V); .to(wide) copies half-precision logits only
+    picked = z.gather(1, target[:, None])
+    top = z.amax(dim=1, keepdim=True)
+    z.sub_(top).exp_()
+    norm = z.sum(dim=1, keepdim=True)
+    loss = (top + norm.log() - picked).sum()
+    if grad_h is None and grad_w is None and grad_b is None:
+        return loss
+    # d(sum of CE)/d(logits) = softmax - one_hot(target), handed to the head's matmuls in
+    # the compute dtype, as autograd does under autocast
+    z.div_(norm)
+    z.scatter_add_(1, target[:, None], torch.full_like(picked, -1.0))
+    d = z.to(w.dtype)
+    del z  # d is z itself unless the logits are half precision
+    if grad_h is not None:
+        grad_h.index_copy_(0, index, (d @ w).to(grad_h.dtype))
+    if grad_w is not None and d.dtype == wide:
+        grad_w.addmm_(d.t(), h)
+    elif grad_w is not None:  # a half-precision product, summed in float32
+        grad_w += (d.t() @ h).to(wide)
+    if grad_b is not None:
+        grad_b += d.sum(dim=0, dtype=wide)
+    return loss
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Forward: the loss and its gradients, chunk by chunk. Backward: the kept gradients
-    times the incoming gradient of the loss (a scalar)."""
+    times the incoming gradient of the loss (a scalar), once."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -155,18 +177,27 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             hidden, weight, bias, rows, targets, chunk_size, needs
         )
         ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.used = False
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        grad_h, grad_w, grad_b = ctx.saved_tensors
+        if ctx.used:
+            raise RuntimeError(
+                "ChunkedNextTokenLoss: a second backward pass through the same loss "
+                "(retain_graph=True); its gradients were computed in the forward and are "
+                "scaled in place by the first one, so call loss_sum again instead"
+            )
+        ctx.used = True
         weight_dtype, bias_dtype = ctx.dtypes
-        g = grad_output.to(grad_w.dtype if grad_w is not None else torch.float32)
+        # scaled in place: no second hidden- or head-sized buffer at the backward
+        grads = [None if t is None else t.mul_(grad_output.to(t.dtype)) for t in ctx.saved_tensors]
+        grad_h, grad_w, grad_b = grads
         return (
-            grad_h * g.to(grad_h.dtype) if grad_h is not None else None,
-            (grad_w * g).to(weight_dtype) if grad_w is not None else None,
-            (grad_b * g).to(bias_dtype) if grad_b is not None else None,
+            grad_h,
+            grad_w.to(weight_dtype) if grad_w is not None else None,
+            grad_b.to(bias_dtype) if grad_b is not None else None,
             None,
             None,
             None,
@@ -191,7 +222,8 @@ class ChunkedNextTokenLoss:
     with respect to ``hidden_states``, the weight and the bias, and keeps only those. Extra
     memory: one chunk of logits in float32 (plus one in the compute dtype under autocast),
     one hidden-sized and one head-sized gradient. ``chunk_size=None`` takes
-    ``default_chunk_size(V)``: 16 MiB of float32 logits per chunk at any vocabulary.
+    ``default_chunk_size(V, device)``: a fixed number of bytes of float32 logits per chunk
+    (8 MiB on a CPU, 64 MiB on a GPU) at any vocabulary.
 
     With data parallelism the hidden states must come out of the wrapped model's forward
     (for DDP: a module whose ``forward`` returns them, wrapped whole), so the wrapper sees
@@ -232,8 +264,10 @@ class ChunkedNextTokenLoss:
 
     @property
     def effective_chunk_size(self) -> int:
-        """Tokens per chunk: ``chunk_size``, or ``default_chunk_size(V)`` when it is None."""
-        return self.chunk_size or default_chunk_size(self.head.out_features)
+        """Tokens per chunk: ``chunk_size``, or ``default_chunk_size(V, device)`` for the
+        head's device when it is None."""
+        device_type = self.head.weight.device.type
+        return self.chunk_size or default_chunk_size(self.head.out_features, device_type)
 
     def count(self, batch: Mapping[str, Tensor]) -> int:
         """Supervised targets after the shift: ``(labels[:, 1:] != ignore_index).sum()``."""
