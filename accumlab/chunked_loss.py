@@ -9,7 +9,8 @@ the same pass, the chunk's gradient with respect to the hidden states and the he
 weight and bias. Only those gradients (hidden-sized and head-sized) are kept for the
 backward pass, which multiplies them by the loss's incoming gradient (the loop's
 ``× D / global count`` and the GradScaler's scale). So neither the forward nor the
-backward ever holds more than one chunk of logits.
+backward ever holds more than one chunk of logits (in float32, and under autocast
+briefly also in half precision).
 
 It is an ``Objective`` like ``NextTokenLoss``, with the same ``count``; ``loss_sum`` is
 equal to ``NextTokenLoss().loss_sum(head(hidden_states), batch)`` (up to rounding). The
@@ -30,7 +31,8 @@ from .objectives import NextTokenLoss
 
 #: Bytes of one chunk's float32 logits when ``chunk_size`` is not given, per device type:
 #: 8 MiB on a CPU (65 tokens at V = 32,000, 16 at V = 128,256), where a small chunk costs
-#: no speed; 64 MiB elsewhere (a GPU), since a matmul of a few dozen rows against a
+#: no speed (benchmarks/chunked_loss.py); 64 MiB elsewhere (a GPU; reasoned, not measured
+#: here), since a matmul of a few dozen rows against a
 #: ``[V, H]`` weight reads the whole weight for little arithmetic, and a few hundred rows
 #: keep the accelerator busy (524 tokens at V = 32,000, 130 at V = 128,256). Either way
 #: the extra memory is fixed, whatever the vocabulary and the microbatch.

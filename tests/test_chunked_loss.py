@@ -537,3 +537,16 @@ def test_a_second_backward_through_one_loss_is_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="call loss_sum again"):
         loss.backward()
+
+
+def test_a_bfloat16_model_without_autocast_gets_bfloat16_gradients_close_to_the_materialized():
+    torch.manual_seed(5)
+    model = TiedLM(97, 16, tied=False, bias=True).to(torch.bfloat16)
+    ids = torch.randint(0, 97, (3, 12))
+    labels = labels_for(3, 12, 97, seed=5)
+    ref_loss, ref = loss_and_grads(model, ids, labels, chunked=False, chunk=None)
+    loss, got = loss_and_grads(model, ids, labels, chunked=True, chunk=5)
+    assert loss.dtype == ref_loss.dtype == torch.float32
+    assert abs(float(loss) - float(ref_loss)) <= 1e-3 * abs(float(ref_loss))
+    assert {k: g.dtype for k, g in got.items()} == {k: torch.bfloat16 for k in ref}
+    assert max_rel(ref, got) <= 2e-2
