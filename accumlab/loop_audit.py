@@ -921,7 +921,7 @@ class _Verdict:
             cleared = [j for j in backed if abs(weights[j]) <= _TOL]
             if lost_clears or (cleared and fit.residual <= _TOL):
                 found["zero_grad_in_window"].append(k)
-            if fit.carried > _TOL:
+            if fit.carried > _TOL and fit.residual <= _TOL:  # else the shares mean nothing
                 notes["carried"].append(k)
             if fit.residual > _TOL:
                 notes["unexplained"].append(k)
@@ -969,10 +969,13 @@ class _Verdict:
             )
             flat = [[x for mb in audits[k].example_weights or [] for x in mb] for k in constrained]
             if all(all(_near(x, w[0]) for x in w) for w in flat):
+                implied = [audits[k].targets / w[0] for k, w in zip(constrained, flat, strict=True)]
                 other.append(
-                    "every example's share is the same within each window: each update is "
-                    "the correct one times a factor (clipping below the gradient norm, a "
-                    "loss multiplied by a constant)"
+                    "every example's share is the same within each window: each update is the "
+                    "correct one times a factor, as if the loss sums were divided by "
+                    f"{_numbers(implied)} in {_windows_text(constrained)} instead of their "
+                    f"{_numbers([audits[k].targets for k in constrained])} targets (a count of "
+                    "something else, a constant factor, or clipping below the gradient norm)"
                 )
         elif weighting is not None:
             for name in weighting.mistakes:
@@ -1188,7 +1191,7 @@ class _Verdict:
         self, found: dict[str, list[int]], audits: list[WindowAudit], evidence: dict[str, str]
     ) -> None:
         for name, test, verb in (
-            ("lost_microbatches", lambda n: n == 0, "never reached a backward pass"),
+            ("lost_microbatches", lambda n: n == 0, "never reached a backward pass whole"),
             ("duplicated_microbatch", lambda n: n > 1, "went through more than one backward pass"),
         ):
             if not found[name]:

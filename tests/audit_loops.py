@@ -285,6 +285,51 @@ def shifted_copy_of_labels(model, optimizer, scheduler, window):
     scheduler.step()
 
 
+def one_backward_for_window(model, optimizer, scheduler, window):
+    """Sums the window's losses into one tensor and calls backward once."""
+    optimizer.zero_grad()
+    total = targets(window)
+    (sum(loss_sum(model, mb) for mb in window) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def autograd_grad_accumulated(model, optimizer, scheduler, window):
+    """torch.autograd.grad per microbatch, added into .grad by hand."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    total = targets(window)
+    for mb in window:
+        grads = torch.autograd.grad(loss_sum(model, mb) / total, params)
+        for p, g in zip(params, grads, strict=True):
+            p.grad += g
+    optimizer.step()
+    scheduler.step()
+
+
+def clip_above_the_norm(model, optimizer, scheduler, window):
+    """Clipping the combined gradient with a threshold it never reaches changes nothing."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)
+    optimizer.step()
+    scheduler.step()
+
+
+def shuffled_rows(model, optimizer, scheduler, window):
+    """Microbatches in reverse order, the rows of each permuted."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in reversed(window):
+        order = torch.arange(mb["input_ids"].shape[0]).flip(0)
+        (loss_sum(model, {k: v[order] for k, v in mb.items()}) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
 # -- one mistake each --------------------------------------------------------------------
 
 
@@ -497,6 +542,26 @@ def drops_last_row(model, optimizer, scheduler, window):
     scheduler.step()
 
 
+def forgot_backward(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        loss = loss_sum(model, mb) / total
+        LOG.append(loss.item())  # logged, never backpropagated
+    optimizer.step()
+    scheduler.step()
+
+
+def truncates_rows(model, optimizer, scheduler, window):
+    """Cuts every sequence to 6 tokens: the longer examples lose their later targets."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, {k: v[:, :6] for k, v in mb.items()}) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
 def first_microbatch_twice(model, optimizer, scheduler, window):
     optimizer.zero_grad()
     total = targets(window)
@@ -619,6 +684,16 @@ def doubled_loss(model, optimizer, scheduler, window):
     scheduler.step()
 
 
+def divides_by_examples(model, optimizer, scheduler, window):
+    """Divides token-loss sums by the window's examples: no named weighting."""
+    optimizer.zero_grad()
+    rows = sum(mb["input_ids"].shape[0] for mb in window)
+    for mb in window:
+        (loss_sum(model, mb) / rows).backward()
+    optimizer.step()
+    scheduler.step()
+
+
 # -- combinations --------------------------------------------------------------------------
 
 
@@ -697,6 +772,10 @@ EXPECTED: dict = {
     evaluates_after_step: OK,
     detached_logging: OK,
     shifted_copy_of_labels: OK,
+    one_backward_for_window: OK,
+    autograd_grad_accumulated: OK,
+    clip_above_the_norm: OK,
+    shuffled_rows: OK,
     # one mistake each
     double_division: bad("double_division"),
     hf_num_items_over_a: bad("double_division"),
@@ -720,6 +799,8 @@ EXPECTED: dict = {
     only_last_microbatch: bad("lost_microbatches"),
     only_last_over_window_targets: bad("lost_microbatches"),
     drops_last_row: bad("lost_microbatches"),
+    forgot_backward: bad("lost_microbatches"),
+    truncates_rows: bad("lost_microbatches", other=True),
     first_microbatch_twice: bad("duplicated_microbatch"),
     window_twice: bad("duplicated_microbatch"),
     labels_not_shifted: bad("labels_not_shifted"),
@@ -732,6 +813,7 @@ EXPECTED: dict = {
     without_scheduler: bad(other=True),
     clipped_below_the_norm: bad(other=True),
     doubled_loss: bad(other=True),
+    divides_by_examples: bad(other=True),
     # combinations
     clinic_classic: bad("average_of_averages", "zero_grad_in_window", "scheduler_per_microbatch"),
     every_microbatch: bad("double_division", "step_per_microbatch", "scheduler_per_microbatch"),

@@ -74,7 +74,9 @@ def test_lost_microbatches_are_named_with_the_missing_targets():
     ]
     evidence = report.evidence["lost_microbatches"]
     assert evidence.startswith("window 0: microbatch 0; window 1: microbatch 0;")
-    assert "never reached a backward pass (44 of the controlled set's 143 targets)" in evidence
+    assert (
+        "never reached a backward pass whole (44 of the controlled set's 143 targets)" in evidence
+    )
 
 
 def test_a_lost_row_is_named_by_its_example():
@@ -210,6 +212,12 @@ def test_a_uniform_factor_is_described_as_one():
     for loop in (loops.clipped_below_the_norm, loops.doubled_loss):
         report = report_of(loop)
         assert report.mistakes == [] and any("times a factor" in o for o in report.other)
+    report = report_of(loops.divides_by_examples)  # 8, 8, 8 and 4 examples per window
+    targets = ", ".join(str(w.targets) for w in report.windows)
+    assert (
+        f"as if the loss sums were divided by 8, 8, 8, 4 in windows 0, 1, 2, 3 instead of their "
+        f"{targets} targets" in report.other[-1]
+    )
 
 
 def test_a_scheduler_never_stepped_is_reported():
