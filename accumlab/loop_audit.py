@@ -856,107 +856,150 @@ class _Verdict:
                     carried = max(carried, abs(x))
         return _Fit(weights, carried, residual)
 
+    def _window(
+        self,
+        k: int,
+        found: dict[str, list[int]],
+        notes: dict[str, list[int]],
+        residual_at_1: dict[int, float],
+    ) -> tuple[WindowAudit, dict[str, tuple[_Weighting, list[float]]] | None]:
+        """Window ``k``'s measurements, the mistakes and notes they show (added to
+        ``found`` and ``notes``), and the weightings its example shares agree with."""
+        watch, rows, a = self.watch, self.rows[k], len(self.windows[k])
+        events = [(kind, i) for (w, kind, i) in watch.events if w == k]
+        kinds = [kind for kind, _ in events]
+        forwards = [i for kind, i in events if kind == "forward"]
+        steps = [i for kind, i in events if kind == "step"]
+        index = {row.key: j for j, row in enumerate(rows)}
+        trained = [0] * len(rows)  # backward passes through each example
+        for f in forwards:
+            for key in watch.forwards[f].rows:
+                if key is not None:
+                    trained[index[key]] += watch.forwards[f].backward
+
+        fit, shift = self._fit_window(k, steps, 1), 1
+        residual_at_1[k] = fit.residual
+        if steps and fit.residual > _TOL:  # is it the targets that are misaligned?
+            for other_shift in _SHIFTS:
+                alt = self._fit_window(k, steps, other_shift)
+                if alt.residual <= _TOL:
+                    fit, shift = alt, other_shift
+                    found[_SHIFTS[shift]].append(k)
+                    break
+        weights = fit.weights
+        reference_grad = sum(
+            (self.contribution(row.key, self.starts[k]) for row in rows),
+            torch.zeros_like(self.final),
+        )
+        stepped = sum((watch.steps[s].grad for s in steps), torch.zeros_like(self.final))
+        error = float((stepped - reference_grad).norm() / reference_grad.norm())
+
+        if not steps:
+            found["no_update"].append(k)
+        if len(steps) > 1:
+            found["step_per_microbatch"].append(k)
+        if kinds.count("scheduler") > 1:
+            found["scheduler_per_microbatch"].append(k)
+        lost = [j for j in range(len(rows)) if trained[j] == 0]
+        if lost:
+            found["lost_microbatches"].append(k)
+        used = [j for j in range(len(rows)) if abs(weights[j]) > _TOL]
+        if steps and any(trained[j] > 1 for j in used):
+            found["duplicated_microbatch"].append(k)
+        # examples whose backward ran before the window's last step but did not reach it
+        lost_clears = _cleared_before_step(kinds)
+        last_step = max((p for p, kind in enumerate(kinds) if kind == "step"), default=-1)
+        backed = {
+            index[key]
+            for p, (kind, f) in enumerate(events)
+            if kind == "backward" and p < last_step
+            for key in watch.forwards[f].rows
+            if key is not None and key[0] == k  # (a delayed backward of an earlier window)
+        }
+        cleared = [j for j in backed if abs(weights[j]) <= _TOL]
+        if lost_clears or (cleared and fit.residual <= _TOL):
+            found["zero_grad_in_window"].append(k)
+        if fit.carried > _TOL and fit.residual <= _TOL:  # else the shares mean nothing
+            notes["carried"].append(k)
+        if fit.residual > _TOL:
+            notes["unexplained"].append(k)
+        if any(None in watch.forwards[f].rows for f in forwards if watch.forwards[f].backward):
+            notes["unmatched"].append(k)
+        audit = WindowAudit(
+            index=k,
+            microbatches=a,
+            targets=self.totals[k],
+            forwards=len(forwards),
+            backward_passes=kinds.count("backward"),
+            optimizer_steps=len(steps),
+            scheduler_steps=kinds.count("scheduler"),
+            zero_grad_calls=kinds.count("zero_grad"),
+            weights=self._per_microbatch(rows, weights, a) if steps else None,
+            update_error=error if steps else None,
+            carried=fit.carried,
+            residual=fit.residual,
+            cleared_gradients=lost_clears,
+            kept_tensors=0,
+            example_weights=self._nested(rows, [round(x, 12) for x in weights], a)
+            if steps
+            else None,
+            example_backward_passes=self._nested(rows, trained, a),
+            label_shift=shift if fit.residual <= _TOL else None,
+        )
+        constrained = steps and used and fit.residual <= _TOL
+        return audit, self._matching(k, weights, trained, used, lost) if constrained else None
+
     def report(self, optimizer: torch.optim.Optimizer, changed: list[str]) -> AuditReport:
-        watch = self.watch
         found: dict[str, list[int]] = {name: [] for name in MISTAKES}  # windows showing each
         evidence: dict[str, str] = {}
         other: list[str] = []
-        audits: list[WindowAudit] = []
-        matches: list[dict[str, tuple[_Weighting, list[float]]] | None] = []
         notes: dict[str, list[int]] = {"carried": [], "unexplained": [], "unmatched": []}
         residual_at_1: dict[int, float] = {}
-        for k, window in enumerate(self.windows):
-            rows = self.rows[k]
-            events = [(kind, i) for (w, kind, i) in watch.events if w == k]
-            kinds = [kind for kind, _ in events]
-            forwards = [i for kind, i in events if kind == "forward"]
-            steps = [i for kind, i in events if kind == "step"]
-            index = {row.key: j for j, row in enumerate(rows)}
-            trained = [0] * len(rows)
-            for f in forwards:
-                for key in watch.forwards[f].rows:
-                    if key is not None:
-                        trained[index[key]] += watch.forwards[f].backward
-
-            fit, shift = self._fit_window(k, steps, 1), 1
-            residual_at_1[k] = fit.residual
-            if steps and fit.residual > _TOL:
-                for other_shift in _SHIFTS:
-                    alt = self._fit_window(k, steps, other_shift)
-                    if alt.residual <= _TOL:
-                        fit, shift = alt, other_shift
-                        found[_SHIFTS[shift]].append(k)
-                        break
-            weights = fit.weights
-            reference_grad = sum(
-                (self.contribution(row.key, self.starts[k]) for row in rows),
-                torch.zeros_like(self.final),
-            )
-            stepped = sum((watch.steps[s].grad for s in steps), torch.zeros_like(self.final))
-            error = float((stepped - reference_grad).norm() / reference_grad.norm())
-
-            if not steps:
-                found["no_update"].append(k)
-            if len(steps) > 1:
-                found["step_per_microbatch"].append(k)
-            schedules = kinds.count("scheduler")
-            if schedules > 1:
-                found["scheduler_per_microbatch"].append(k)
-            lost = [j for j in range(len(rows)) if trained[j] == 0]
-            if lost:
-                found["lost_microbatches"].append(k)
-            used = [j for j in range(len(rows)) if abs(weights[j]) > _TOL]
-            if steps and any(trained[j] > 1 for j in used):
-                found["duplicated_microbatch"].append(k)
-            # examples whose backward ran before the window's last step but did not reach it
-            lost_clears = _cleared_before_step(kinds)
-            last_step = max((p for p, kind in enumerate(kinds) if kind == "step"), default=-1)
-            backed = {
-                index[key]
-                for p, (kind, f) in enumerate(events)
-                if kind == "backward" and p < last_step
-                for key in watch.forwards[f].rows
-                if key is not None and key[0] == k
-            }
-            cleared = [j for j in backed if abs(weights[j]) <= _TOL]
-            if lost_clears or (cleared and fit.residual <= _TOL):
-                found["zero_grad_in_window"].append(k)
-            if fit.carried > _TOL and fit.residual <= _TOL:  # else the shares mean nothing
-                notes["carried"].append(k)
-            if fit.residual > _TOL:
-                notes["unexplained"].append(k)
-            if any(None in watch.forwards[f].rows for f in forwards if watch.forwards[f].backward):
-                notes["unmatched"].append(k)
-            matches.append(
-                self._matching(k, weights, trained, used, lost)
-                if steps and used and fit.residual <= _TOL
-                else None
-            )
-            audits.append(
-                WindowAudit(
-                    index=k,
-                    microbatches=len(window),
-                    targets=self.totals[k],
-                    forwards=len(forwards),
-                    backward_passes=kinds.count("backward"),
-                    optimizer_steps=len(steps),
-                    scheduler_steps=schedules,
-                    zero_grad_calls=kinds.count("zero_grad"),
-                    weights=self._per_microbatch(rows, weights, len(window)) if steps else None,
-                    update_error=error if steps else None,
-                    carried=fit.carried,
-                    residual=fit.residual,
-                    cleared_gradients=lost_clears,
-                    kept_tensors=0,
-                    example_weights=self._nested(rows, [round(x, 12) for x in weights], len(window))
-                    if steps
-                    else None,
-                    example_backward_passes=self._nested(rows, trained, len(window)),
-                    label_shift=shift if fit.residual <= _TOL else None,
-                )
-            )
+        audits: list[WindowAudit] = []
+        matches: list[dict[str, tuple[_Weighting, list[float]]] | None] = []
+        for k in range(len(self.windows)):
+            audit, match = self._window(k, found, notes, residual_at_1)
+            audits.append(audit)
+            matches.append(match)
 
         self._notes(notes, audits, other)
+        self._weighting_findings(matches, audits, found, evidence, other)
+        for shift, name in _SHIFTS.items():
+            if found[name]:
+                evidence[name] = self._shift_evidence(shift, found[name], audits, residual_at_1)
+        if changed:
+            found["window_modified_in_place"].append(0)
+            shown = "; ".join(changed[:3]) + (
+                f"; and {len(changed) - 3} more" if len(changed) > 3 else ""
+            )
+            evidence["window_modified_in_place"] = (
+                f"the loop changed {len(changed)} tensors of the windows it was given: {shown}. "
+                "A data set that is read again (the next epoch, a retried window) then trains "
+                "on the changed data"
+            )
+        self._lost_evidence(found, audits, evidence)
+        _kept_evidence(self.watch, optimizer, audits, found, evidence)
+        _count_evidence(audits, found, evidence)
+        mistakes = [name for name in MISTAKES if found[name]]
+        off = [w.index for w in audits if w.update_error is not None and w.update_error > _TOL]
+        if not mistakes and not other and off:
+            other.append(  # never an ok text quoting a large error
+                f"{_windows_text(off)}: the update differs from the correct one (largest "
+                f"relative error {max(audits[k].update_error or 0.0 for k in off):.2g}, "
+                f"tolerance {_TOL:.0e}) in a way the audit cannot attribute"
+            )
+        return AuditReport(mistakes, {n: evidence[n] for n in mistakes}, other, audits)
+
+    def _weighting_findings(
+        self,
+        matches: list[dict[str, tuple[_Weighting, list[float]]] | None],
+        audits: list[WindowAudit],
+        found: dict[str, list[int]],
+        evidence: dict[str, str],
+        other: list[str],
+    ) -> None:
+        """The weighting every analysed window agrees with names its mistakes; none is a
+        finding outside the vocabulary, described as a factor when it is one."""
         weighting = _choose_weighting(matches)
         constrained = [k for k, m in enumerate(matches) if m is not None]
         if constrained and weighting is None:
@@ -985,31 +1028,6 @@ class _Verdict:
                 )
             if weighting.note:
                 other.append(weighting.note)
-        for shift, name in _SHIFTS.items():
-            if found[name]:
-                evidence[name] = self._shift_evidence(shift, found[name], audits, residual_at_1)
-        if changed:
-            found["window_modified_in_place"].append(0)
-            shown = "; ".join(changed[:3]) + (
-                f"; and {len(changed) - 3} more" if len(changed) > 3 else ""
-            )
-            evidence["window_modified_in_place"] = (
-                f"the loop changed {len(changed)} tensors of the windows it was given: {shown}. "
-                "A data set that is read again (the next epoch, a retried window) then trains "
-                "on the changed data"
-            )
-        self._lost_evidence(found, audits, evidence)
-        _kept_evidence(watch, optimizer, audits, found, evidence)
-        _count_evidence(audits, found, evidence)
-        mistakes = [name for name in MISTAKES if found[name]]
-        off = [w.index for w in audits if w.update_error is not None and w.update_error > _TOL]
-        if not mistakes and not other and off:
-            other.append(  # never an ok text quoting a large error
-                f"{_windows_text(off)}: the update differs from the correct one (largest "
-                f"relative error {max(audits[k].update_error or 0.0 for k in off):.2g}, "
-                f"tolerance {_TOL:.0e}) in a way the audit cannot attribute"
-            )
-        return AuditReport(mistakes, {n: evidence[n] for n in mistakes}, other, audits)
 
     @staticmethod
     def _nested(rows: Sequence[_Row], values: Sequence[Any], a: int) -> list[list[Any]]:
