@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from accumlab.course.exercises import NOT_ATTEMPTED, ex05
 
@@ -18,7 +19,9 @@ EXERCISES = (
     ex05.sum_then_backward_extra,
     ex05.shrink_plan,
     ex05.plan_under_budget,
+    ex05.chunked_loss_sum,
 )
+FUNCTIONS = {"shrink_plan", "plan_under_budget", "chunked_loss_sum"}
 
 
 def test_the_references_pass(capsys: Any) -> None:
@@ -26,6 +29,7 @@ def test_the_references_pass(capsys: Any) -> None:
     assert ex05.sum_then_backward_extra.check(7) and ex05.sum_then_backward_extra.check(6.95)
     assert ex05.shrink_plan.check(ex05.reference_shrink_plan)
     assert ex05.plan_under_budget.check(ex05.reference_plan_under_budget)
+    assert ex05.chunked_loss_sum.check(ex05.reference_chunked_loss_sum)
     out = capsys.readouterr().out
     for exercise in EXERCISES:
         assert f"✅ {exercise.name}: correct" in out
@@ -126,7 +130,7 @@ def as_a_count(m: int, A: int, D: int, largest: int) -> int:
         (halve_until_it_fits, "halving until it fits"),
         (drops_the_remainder, "drops"),
         (divides_among_replicas, "the replicas do not change"),
-        (greedy, "sizes differing by at most one"),
+        (greedy, "sets the peak"),
         (keeps_m, "still does not fit"),
         (never_raises, "raise ValueError"),
         (one_per_microbatch, "suffice"),
@@ -227,6 +231,76 @@ def test_the_budget_cases_agree_with_the_reference() -> None:
         assert ex05.reference_plan_under_budget(peaks, budget, batch, replicas) == expected
 
 
+# ---------------------------------------------------------------- chunked_loss_sum
+
+
+def full_logits(hidden, weight, targets, chunk):
+    return F.cross_entropy(hidden @ weight.T, targets, reduction="sum")
+
+
+def mean_per_target(hidden, weight, targets, chunk):
+    return ex05.reference_chunked_loss_sum(hidden, weight, targets, chunk) / (targets != -100).sum()
+
+
+def drops_the_last_chunk(hidden, weight, targets, chunk):
+    total = torch.zeros(())
+    for start in range(0, len(targets) - chunk + 1, chunk):
+        rows = slice(start, start + chunk)
+        total += F.cross_entropy(hidden[rows] @ weight.T, targets[rows], reduction="sum")
+    return total
+
+
+def sums_chunk_means(hidden, weight, targets, chunk):
+    total = torch.zeros(())
+    for start in range(0, len(targets), chunk):
+        rows = slice(start, start + chunk)
+        total += F.cross_entropy(hidden[rows] @ weight.T, targets[rows])
+    return total
+
+
+def as_a_float(hidden, weight, targets, chunk):
+    return float(ex05.reference_chunked_loss_sum(hidden, weight, targets, chunk))
+
+
+def counts_ignored_positions(hidden, weight, targets, chunk):
+    return ex05.reference_chunked_loss_sum(hidden, weight, targets.clamp(min=0), chunk)
+
+
+@pytest.mark.parametrize(
+    ("answer", "named"),
+    [
+        (full_logits, "never the full logits"),
+        (mean_per_target, "returned the mean per target"),
+        (drops_the_last_chunk, "the last chunk of 3 positions is missing"),
+        (sums_chunk_means, "the sum of each chunk's mean"),
+        (as_a_float, "expected a 0-d tensor"),
+        (counts_ignored_positions, "expected the summed loss"),
+        ("not a function", "expected a function"),
+    ],
+)
+def test_chunked_loss_sum_names_each_mistake(answer: Any, named: str, capsys: Any) -> None:
+    assert not ex05.chunked_loss_sum.check(answer)
+    out = capsys.readouterr().out
+    assert out.startswith("❌ chunked_loss_sum:") and named in out, out
+
+
+def test_chunked_loss_sum_reference_equals_the_package_loss() -> None:
+    # The exercise's forward is ChunkedNextTokenLoss's: same sum on shifted hidden states.
+    import accumlab as al
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 30, bias=False)
+    hidden = torch.randn(2, 7, 8, generator=g)
+    labels = torch.randint(0, 30, (2, 7), generator=g)
+    labels[:, :2] = -100
+    expected = al.ChunkedNextTokenLoss(head, chunk_size=3).loss_sum(hidden, {"labels": labels})
+    with torch.no_grad():
+        got = ex05.reference_chunked_loss_sum(
+            hidden[:, :-1].reshape(-1, 8), head.weight, labels[:, 1:].reshape(-1), 3
+        )
+    torch.testing.assert_close(got, expected.detach())
+
+
 # ---------------------------------------------------------------- stubs and the notebook
 
 
@@ -235,8 +309,7 @@ def test_stubs_print_the_not_attempted_line(capsys: Any) -> None:
         raise NotImplementedError
 
     for exercise in EXERCISES:
-        assert exercise.check(stub if exercise.name in {"shrink_plan", "plan_under_budget"}
-                              else ...) is False
+        assert exercise.check(stub if exercise.name in FUNCTIONS else ...) is False
         out = capsys.readouterr().out
         assert out.startswith(f"⏳ {exercise.name}: {NOT_ATTEMPTED}.") and ".solution()" in out
 
@@ -247,6 +320,7 @@ def test_hints_and_solutions_print(capsys: Any) -> None:
         exercise.solution()
     out = capsys.readouterr().out
     assert "def reference_shrink_plan" in out and "def reference_plan_under_budget" in out
+    assert "def reference_chunked_loss_sum" in out
     assert "momentum_baseline = 2.0" in out and "sum_then_backward_extra = 7" in out
 
 

@@ -14,8 +14,8 @@ Two transfer exercises (the notebook shows the rule, not these cases):
   ``m`` examples per microbatch, ``A`` microbatches per window and ``D`` replicas ran out
   of memory; at most ``largest`` examples fit in one microbatch. Return one replica's
   microbatch sizes for the same window after the shrink: every example kept (the sizes sum
-  to ``m * A``), each at most ``largest``, as few microbatches as possible, sizes differing
-  by at most one. ``largest < 1`` raises ``ValueError`` (accumulation cannot split one
+  to ``m * A``), each at most ``largest``, as few microbatches as possible, and the largest
+  as small as that count allows (it sets the peak). ``largest < 1`` raises ``ValueError`` (accumulation cannot split one
   example).
 - ``plan_under_budget``: ``plan_under_budget(peaks, budget, effective_batch, replicas=1)
   -> tuple[int, int]``. ``peaks`` maps a few measured microbatch sizes to the peak bytes of
@@ -23,6 +23,14 @@ Two transfer exercises (the notebook shows the rule, not these cases):
   ``m * A * replicas == effective_batch``, the predicted peak at ``m`` within ``budget``,
   and ``m`` as large as possible (``m`` need not be one of the measured sizes). Raise
   ``ValueError`` when no ``m`` fits, or when ``replicas`` does not divide the batch.
+
+One exercise on the loss without the logits:
+
+- ``chunked_loss_sum``: ``chunked_loss_sum(hidden, weight, targets, chunk) -> Tensor``, the
+  summed cross-entropy of ``hidden @ weight.T`` (``hidden`` (N, H), ``weight`` (V, H))
+  against ``targets`` (N,) with ``-100`` for no target, as a 0-d float32 tensor, computing
+  at most ``chunk`` rows of logits at a time (forward only: the checker runs it under
+  ``torch.no_grad``).
 
 Each checker names the usual mistakes: examples dropped or divided among replicas, a
 microbatch that still does not fit, halving more than needed, only the measured sizes
@@ -38,6 +46,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...loop import train_window
 from ...memory import MemoryMeter
@@ -193,10 +204,11 @@ def _shrink_problem(sizes: Any, m: int, A: int, D: int, largest: int) -> str | N
                 f"{needed} microbatches of at most {largest} hold the same {window} examples"
             )
         return f"{where}: {len(sizes)} microbatches; {needed} of at most {largest} suffice"
-    if max(sizes) - min(sizes) > 1:
+    lowest = math.ceil(window / len(sizes))
+    if max(sizes) > lowest:
         return (
-            f"{where}: {sizes} has the fewest microbatches, but sizes differing by at most one "
-            f"give a lower peak (the largest microbatch sets it) with the same count"
+            f"{where}: {sizes} has the fewest microbatches, but its largest ({max(sizes)}) sets "
+            f"the peak: {len(sizes)} microbatches of at most {lowest} hold the same examples"
         )
     return None
 
@@ -338,3 +350,115 @@ plan_under_budget = Exercise(
     reference=inspect.getsource(reference_plan_under_budget),
 )
 
+
+
+# ---------------------------------------------------------------- the loss without the logits
+
+
+def reference_chunked_loss_sum(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> Tensor:
+    """Summed cross-entropy of ``hidden @ weight.T`` against ``targets``, ``chunk`` rows at a
+    time: never more than ``chunk × V`` logits exist."""
+    total = torch.zeros((), dtype=torch.float32)
+    for start in range(0, len(targets), chunk):
+        logits = hidden[start : start + chunk] @ weight.T  # (at most chunk, V)
+        total += F.cross_entropy(
+            logits.float(), targets[start : start + chunk], ignore_index=-100, reduction="sum"
+        )
+    return total
+
+
+class _LargestOutput(TorchDispatchMode):
+    """Records the most elements of any tensor an operator returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, Tensor):
+                self.most = max(self.most, t.numel())
+        return out
+
+
+#: (positions N, hidden H, vocabulary V, chunk, seed): a last chunk shorter than the others,
+#: a chunk without any target, and a chunk larger than N.
+CHUNK_CASES = ((23, 8, 50, 5, 1), (16, 4, 40, 4, 2), (6, 8, 30, 10, 3))
+
+
+def _chunk_case(n: int, h: int, v: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g)
+    weight = torch.randn(v, h, generator=g)
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[::3] = -100  # positions without a target (prompt, padding)
+    if n >= 8:
+        targets[4:8] = -100  # one chunk of 4 holds no target at all
+    return hidden, weight, targets
+
+
+def check_chunked_loss_sum(answer: Callable[..., Any]) -> str | None:
+    """None when ``answer`` returns the summed loss (relative error <= 1e-5) without any
+    tensor of more than ``chunk × V`` elements, in every case."""
+    if not callable(answer):
+        return f"expected a function, got {type(answer).__name__}"
+    for n, h, v, chunk, seed in CHUNK_CASES:
+        hidden, weight, targets = _chunk_case(n, h, v, seed)
+        full = hidden @ weight.T
+        expected = F.cross_entropy(full, targets, ignore_index=-100, reduction="sum")
+        where = f"N={n} positions, V={v}, chunk={chunk}"
+        largest = _LargestOutput()
+        with torch.no_grad(), largest:
+            got = answer(hidden, weight, targets, chunk)
+        if not isinstance(got, Tensor) or got.dim() != 0:
+            return f"{where}: expected a 0-d tensor (the summed loss), got {got!r}"
+        if largest.most > max(min(chunk, n) * v, v * h):  # a view of the weight is allowed
+            return (
+                f"{where}: a tensor of {largest.most} numbers existed, more than one chunk of "
+                f"logits (chunk × V = {min(chunk, n) * v}): compute the logits of one chunk of "
+                "rows at a time, never the full logits"
+            )
+        value, exact = float(got), float(expected)
+        if abs(value - exact) <= 1e-5 * abs(exact):
+            continue
+        counted = int((targets != -100).sum())
+        kept = (n // chunk) * chunk
+        dropped = F.cross_entropy(full[:kept], targets[:kept], ignore_index=-100, reduction="sum")
+        if abs(value - exact / counted) <= 1e-5 * abs(exact / counted):
+            return (
+                f"{where}: returned the mean per target; return the sum (the loop divides by "
+                "the window's count)"
+            )
+        if kept < n and abs(value - float(dropped)) <= 1e-5 * abs(float(dropped)):
+            return f"{where}: the last chunk of {n - kept} positions is missing"
+        means = sum(
+            float(F.cross_entropy(full[i : i + chunk], targets[i : i + chunk], ignore_index=-100))
+            for i in range(0, n, chunk)
+        )
+        if abs(value - means) <= 1e-5 * abs(means):
+            return (
+                f"{where}: the sum of each chunk's mean; chunks hold different numbers of "
+                "targets, so add each chunk's sum (reduction='sum')"
+            )
+        if value != value:  # nan
+            return (
+                f"{where}: nan: a chunk without any target has a mean of 0/0; sum each chunk's "
+                "losses (reduction='sum') instead of averaging"
+            )
+        return f"{where}: returned {value:.6g}, expected the summed loss {exact:.6g}"
+    return None
+
+
+chunked_loss_sum = Exercise(
+    name="chunked_loss_sum",
+    checker=check_chunked_loss_sum,
+    hints=(
+        "Loop over start in range(0, len(targets), chunk); the slice hidden[start:start+chunk] "
+        "may be shorter at the end.",
+        "logits = rows @ weight.T is (rows, V); F.cross_entropy(logits, targets_of_rows, "
+        "ignore_index=-100, reduction='sum') skips the positions without a target.",
+        "Add each chunk's sum into a 0-d tensor and return it.",
+    ),
+    reference=inspect.getsource(reference_chunked_loss_sum),
+)
