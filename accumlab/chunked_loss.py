@@ -228,8 +228,10 @@ class ChunkedNextTokenLoss:
     (8 MiB on a CPU, 64 MiB on a GPU) at any vocabulary.
 
     With data parallelism the hidden states must come out of the wrapped model's forward
-    (for DDP: a module whose ``forward`` returns them, wrapped whole), so the wrapper sees
-    the forward of every parameter, the head's included.
+    (a module whose ``forward`` returns them, wrapped whole), so the wrapper sees the
+    forward of every parameter, the head's included. Under FSDP2 leave the head's weight
+    to the root ``fully_shard`` (as for a tied GPT-2), whose parameters stay unsharded from
+    the forward to the backward by default: the loss reads the full weight.
     """
 
     unit = "target"

@@ -80,6 +80,11 @@ def gpt2_batches(
     return out
 
 
+def _full(t: Tensor) -> Tensor:
+    """A plain copy of a gradient, gathering an FSDP2 shard (a DTensor) into the full one."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
 class Capture(torch.optim.Optimizer):
     """Records the full gradient each ``step`` is handed, changes nothing."""
 
@@ -89,7 +94,7 @@ class Capture(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        self.seen.append([p.grad.detach().clone() for p in self.param_groups[0]["params"]])
+        self.seen.append([_full(p.grad) for p in self.param_groups[0]["params"]])
 
 
 def chunked_ddp(windows: int, accumulation_steps: int, m: int) -> dict[str, Any]:
@@ -99,6 +104,31 @@ def chunked_ddp(windows: int, accumulation_steps: int, m: int) -> dict[str, Any]
     rank, world = dist.get_rank(), dist.get_world_size()
     lm = tiny_gpt2()
     model = DistributedDataParallel(HiddenStates(lm))
+    optimizer = Capture(model)
+    plan = al.AccumulationPlan(m, accumulation_steps, data_parallel_size=world)
+    data = gpt2_batches(windows * accumulation_steps, m, seed=rank)
+    objective = al.ChunkedNextTokenLoss(lm.lm_head, chunk_size=8)
+    ledger = al.train(model, data, optimizer, plan, objective, progress=False)
+    return {
+        "seen": optimizer.seen,
+        "global_targets": [r.global_targets for r in ledger.reports],
+        "replicas": ledger.reports[0].data_parallel_size,
+    }
+
+
+def chunked_fsdp2(windows: int, accumulation_steps: int, m: int) -> dict[str, Any]:
+    """``chunked_ddp`` under FSDP2: ``fully_shard`` on each GPT-2 block and on the root
+    ``HiddenStates`` module (which holds the tied head); gradients gathered in full."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lm = tiny_gpt2()
+    model = HiddenStates(lm)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in lm.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = Capture(model)
     plan = al.AccumulationPlan(m, accumulation_steps, data_parallel_size=world)
     data = gpt2_batches(windows * accumulation_steps, m, seed=rank)

@@ -6,7 +6,8 @@ The references are plain PyTorch (``head(hidden)`` then ``NextTokenLoss`` or
 equal loss and gradients (float64 and float32; tied and untied heads; with and without
 bias; rows without targets), the chunk's logits under autocast, the extra memory measured
 with ``MemoryMeter``, the errors, and the loop with a Hugging Face GPT-2 (gradient,
-precision, meter phases, shrink on OOM, DDP on two gloo ranks, compare_gradients).
+precision, meter phases, shrink on OOM, DDP and FSDP2 on two gloo ranks,
+compare_gradients).
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ from collections.abc import Mapping
 import pytest
 import torch
 import torch.nn.functional as F
-from chunked_loss_workers import Capture, chunked_ddp, gpt2_batches, hidden_forward, tiny_gpt2
+from chunked_loss_workers import (
+    Capture,
+    chunked_ddp,
+    chunked_fsdp2,
+    gpt2_batches,
+    hidden_forward,
+    tiny_gpt2,
+)
 from torch import Tensor, nn
 
 import accumlab as al
@@ -516,9 +524,10 @@ def test_compare_gradients_accepts_the_chunked_loss():
 
 @needs_transformers
 @pytest.mark.distributed
-def test_ddp_on_two_ranks_with_the_chunked_loss_equals_the_single_process_full_batch():
+@pytest.mark.parametrize("worker", [chunked_ddp, chunked_fsdp2], ids=["ddp", "fsdp2"])
+def test_two_ranks_with_the_chunked_loss_equal_the_single_process_full_batch(worker):
     windows, a, m = 2, 2, 2
-    rank0, rank1 = al.launch(chunked_ddp, 2, (windows, a, m), deadline_s=90)
+    rank0, rank1 = al.launch(worker, 2, (windows, a, m), deadline_s=90)
     assert rank0["replicas"] == rank1["replicas"] == 2
     model = tiny_gpt2()
     data = [gpt2_batches(windows * a, m, seed=r) for r in (0, 1)]
