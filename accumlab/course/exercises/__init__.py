@@ -1,7 +1,7 @@
 """Exercise checkers for the notebooks: ``check(answer)``, ``hint()``, ``solution()``.
 
 Each notebook imports its exercises from a module here, e.g.
-``from accumlab.course.exercises import ex01`` then ``ex01.accumulate_window.check(fn)``.
+``from accumlab.course.exercises import ex01`` then ``ex01.accumulate_from_means.check(fn)``.
 A checker runs the learner's answer against a reference on fresh inputs and prints a
 one-line verdict; it returns True/False so a notebook cell or a test can act on it.
 
@@ -53,7 +53,7 @@ class Exercise:
 
     @property
     def path(self) -> str:
-        """How a notebook names this exercise, e.g. ``ex01.accumulate_window``."""
+        """How a notebook names this exercise, e.g. ``ex01.accumulate_from_means``."""
         return f"{self.checker.__module__.rsplit('.', 1)[-1]}.{self.name}"
 
     def _not_attempted(self) -> bool:
