@@ -83,6 +83,10 @@ def test_the_run_box_links_to_local_and_hosted_runs_and_to_the_loop_where_taught
     assert "make lab" in box and "colab.research.google.com/github/acme/course" in box
     assert "mybinder.org/v2/gh/acme/course" in box and "reference/loop.md" in box
     assert "reference/loop.md" not in build_site.run_box("02_token_weighting", "https://github.com/a/b")
+    assert "first code cell installs" in box
+    without = build_site.run_box("02_token_weighting", "https://github.com/a/b", install_cell=False)
+    assert '%pip install "accumlab @ git+https://github.com/a/b@main"' in without
+    assert "first code cell" not in without
 
 
 def test_assembled_sources_have_every_lesson_once_with_its_box(tmp_path):
@@ -197,7 +201,7 @@ def test_the_check_names_what_is_broken(tmp_path, breakage, message):
 def test_make_site_builds_every_lesson_offline_and_the_check_passes(tmp_path):
     out = tmp_path / "site"
     build = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "build_site.py"), "--out", str(out)],
+        [sys.executable, str(REPO / "tools" / "build_site.py"), "--out", str(out), "--work", str(tmp_path / "work")],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert build.returncode == 0, build.stdout + build.stderr

@@ -58,7 +58,7 @@ def browse(site: Path, shots: Path, executable: str = CHROMIUM) -> list[str]:
     lessons = _lessons(site)
     if len(lessons) != 8:
         failures.append(f"expected 8 lesson pages in {site}/lessons, found {len(lessons)}")
-    pages = ["index", *(f"lessons/{s}" for s in lessons)]
+    pages = ["index", *(f"lessons/{s}" for s in lessons), "reference/loop"]
     server, base = _serve(site)
     try:
         with sync_playwright() as pw:
@@ -99,9 +99,14 @@ def _check_page(context, base: str, name: str, kind: str, shots: Path) -> list[s
     page.screenshot(path=shots / f"{kind}-{slug}.png")
     if name == "index":
         page.screenshot(path=shots / f"{kind}-{slug}-full.png", full_page=True)
-    for selector, label in ((".cell_output img", "figure"), (".static-widget", "widget")):
+    views = {  # what a reader scrolls to, on the pages that have it
+        "figure": (".cell_output img", ("00_start_here", "02_token_weighting")),
+        "widget": (".static-widget", ("00_start_here", "02_token_weighting")),
+        "code": (".cell_output, div.highlight", ("01_single_device_loop", "reference/loop")),
+    }
+    for label, (selector, where_shown) in views.items():
         element = page.query_selector(selector)
-        if element and name.endswith(("00_start_here", "02_token_weighting")):
+        if element and name.endswith(where_shown):
             element.scroll_into_view_if_needed()
             page.screenshot(path=shots / f"{kind}-{slug}-{label}.png")
     print(f"{where}: {len(images)} images loaded", flush=True)
@@ -110,20 +115,26 @@ def _check_page(context, base: str, name: str, kind: str, shots: Path) -> list[s
 
 
 def _check_sidebar(context, base: str, kind: str, lessons: list[str], shots: Path) -> list[str]:
+    """The eight lessons are on screen in the sidebar: at once on a desktop, after a tap on
+    the menu button on a phone."""
     page = context.new_page()
     page.goto(f"{base}/index.html", wait_until="load")
-    if kind == "phone":  # the sidebar is a drawer behind the menu button
+    scope = ".bd-sidebar-primary"
+    if kind == "phone":  # the sidebar opens as a drawer (a modal dialog) from the menu button
         page.locator("button.primary-toggle:visible").first.click()
-        page.wait_for_timeout(500)
+        page.wait_for_timeout(600)
+        scope = "#pst-primary-sidebar-modal[open]"
         page.screenshot(path=shots / f"{kind}-sidebar-open.png")
     links = page.eval_on_selector_all(
-        ".bd-sidebar-primary a.reference.internal",
-        "els => els.filter(e => e.offsetParent !== null).map(e => e.getAttribute('href'))",
+        f"{scope} a.reference.internal",
+        """els => els.filter(e => { const r = e.getBoundingClientRect();
+                 return r.width > 0 && r.right > 0 && r.left < window.innerWidth; })
+               .map(e => e.getAttribute('href'))""",
     )
     listed = [s for s in lessons if any(h and h.endswith(f"lessons/{s}.html") for h in links)]
     page.close()
     missing = sorted(set(lessons) - set(listed))
-    return [f"{kind}: the sidebar does not show {missing}"] if missing or len(lessons) != 8 else []
+    return [f"{kind}: the sidebar does not show {missing} on screen"] if missing or len(lessons) != 8 else []
 
 
 def _check_search(context, base: str, kind: str, shots: Path) -> list[str]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import posixpath
 import re
 import shutil
@@ -47,6 +48,7 @@ LESSONS_DIR = "lessons"
 # The lessons that teach accumulate and train_window link to the reference loop's page.
 TEACHES_LOOP = ("01_single_device_loop", "03_amp_gradscaler")
 LOOP_PAGE = "reference/loop.md"
+INSTALL_CELL_ID = "accumlab-install"  # tools/install_cell.py's CELL_ID
 DOC_PAGES = {"docs/ARCHITECTURE.md": "docs/architecture.md", "docs/WORKSHOP.md": "docs/workshop.md"}
 _MD_LINK = re.compile(r"(!?\[[^\]]*\])\(([^)\s]+)\)")
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
@@ -186,23 +188,28 @@ def rewrite_links(markdown: str, origin: str, dest: str, pages: dict[str, str], 
     return _MD_LINK.sub(fix, markdown)
 
 
-def run_box(stem: str, repository: str) -> str:
-    """The "Run this notebook" box a lesson page shows under its title (MyST Markdown)."""
+def run_box(stem: str, repository: str, install_cell: bool = True) -> str:
+    """The "Run this notebook" box a lesson page shows under its title (MyST Markdown).
+    ``install_cell``: whether the notebook starts with tools/install_cell.py's cell."""
     links = hosted_links(repository, f"{stem}.ipynb")
     hosted = " · ".join(f"[open in {name}]({url})" for name, url in links.items())
+    if install_cell:
+        how = "The first code cell installs accumlab there; where accumlab is installed it does nothing."
+    else:
+        how = f'Install accumlab there first: `%pip install "accumlab @ git+{repository}@{BRANCH}"`.'
+
     lines = [
         ":::{admonition} Run this notebook",
         ":class: tip run-this-notebook",
         f"- **On your machine**: `make lab` in a clone of the [repository]({repository}) "
-        f"([Run it locally](../index.md#run-it-locally)) opens JupyterLab; this lesson is "
-        f"`my-notebooks/{stem}.ipynb`, your own copy.",
-        f"- **In a hosted notebook service**: {hosted}. Its first code cell installs "
-        "accumlab there (and does nothing where accumlab is installed).",
+        "opens JupyterLab ([run it locally](../index.md#run-it-locally)); this lesson is your "
+        f"own copy, `my-notebooks/{stem}.ipynb`.",
+        f"- **In a hosted notebook service**: {hosted}. {how}",
     ]
     if stem in TEACHES_LOOP:
         lines.append(
             f"- **The reference loop**: `accumulate` and `train_window`, which this lesson "
-            f"teaches, are shown in full on [the reference loop](../{LOOP_PAGE})."
+            f"teaches, in full: [the reference loop](../{LOOP_PAGE})."
         )
     lines.append(":::")
     return "\n".join(lines)
@@ -226,7 +233,9 @@ def _lesson(path: Path, pages: dict[str, str], repository: str) -> dict:
     title = next((n for n, line in enumerate(lines) if line.startswith("# ")), 0)
     head, rest = "".join(lines[: title + 1]), "".join(lines[title + 1 :])
     nb["cells"][first]["source"] = head
-    box = {"cell_type": "markdown", "id": "run-this-notebook", "metadata": {}, "source": run_box(path.stem, repository)}
+    has_cell = any(c.get("id") == INSTALL_CELL_ID for c in nb["cells"])
+    source = run_box(path.stem, repository, install_cell=has_cell)
+    box = {"cell_type": "markdown", "id": "run-this-notebook", "metadata": {}, "source": source}
     new = [box]
     if rest.strip():
         new.append({"cell_type": "markdown", "id": "after-the-title", "metadata": {}, "source": rest})
@@ -290,6 +299,9 @@ def assemble(dest: Path = BUILD_SRC) -> list[str]:
     index = index.replace("{{LESSON_ENTRIES}}", "\n".join(f"{LESSONS_DIR}/{s}" for s in stems))
     index = index.replace("{{QUICK_START}}", quick_start((REPO / "README.md").read_text(encoding="utf-8")))
     (dest / "index.md").write_text(index, encoding="utf-8")
+    loop = dest / LOOP_PAGE  # literalinclude reads the package's own file, wherever dest is
+    relative = Path(os.path.relpath(REPO / "accumlab" / "loop.py", loop.parent)).as_posix()
+    loop.write_text(loop.read_text(encoding="utf-8").replace("{{LOOP_PY}}", relative), encoding="utf-8")
     api = dest / "reference" / "api.md"
     api.write_text(api.read_text(encoding="utf-8").replace("{{API_ENTRIES}}", api_entries()), encoding="utf-8")
     leftover = [str(p.relative_to(dest)) for p in dest.rglob("*.md") if "{{" in p.read_text(encoding="utf-8")]
@@ -298,16 +310,18 @@ def assemble(dest: Path = BUILD_SRC) -> list[str]:
     return stems
 
 
-def build(out: Path = OUT, quiet: bool = True) -> float:
-    """Assemble the sources and run Sphinx (warnings are errors); returns seconds taken."""
+def build(out: Path = OUT, work: Path | None = None, quiet: bool = True) -> float:
+    """Assemble the sources and run Sphinx (warnings are errors); returns seconds taken.
+    ``work`` holds the sources and Sphinx's cache (default: build/site-src, build/site-doctrees)."""
     start = time.perf_counter()
-    assemble()
-    for stale in (out, DOCTREES):
+    src, doctrees = (BUILD_SRC, DOCTREES) if work is None else (work / "src", work / "doctrees")
+    assemble(src)
+    for stale in (out, doctrees):
         if stale.exists():
             shutil.rmtree(stale)
     cmd = [
         sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-E",
-        "-c", str(SITE_SOURCES), "-d", str(DOCTREES), str(BUILD_SRC), str(out),
+        "-c", str(SITE_SOURCES), "-d", str(doctrees), str(src), str(out),
     ]  # fmt: skip
     if quiet:
         cmd.insert(3, "-q")
@@ -318,10 +332,11 @@ def build(out: Path = OUT, quiet: bool = True) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=OUT, help="where the HTML goes (default: site/)")
+    parser.add_argument("--work", type=Path, default=None, help="sources and cache (default: build/)")
     parser.add_argument("--verbose", action="store_true", help="Sphinx's progress, not only warnings")
     args = parser.parse_args(argv)
     try:
-        seconds = build(args.out, quiet=not args.verbose)
+        seconds = build(args.out, args.work, quiet=not args.verbose)
     except SiteError as err:
         print(f"build_site: {err}", file=sys.stderr)
         return 1

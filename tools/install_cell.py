@@ -30,9 +30,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
-from build_site import BRANCH, project_urls, tomllib  # noqa: E402
+from build_site import BRANCH, INSTALL_CELL_ID, project_urls, tomllib  # noqa: E402
 
-CELL_ID = "accumlab-install"
+CELL_ID = INSTALL_CELL_ID  # the site's run box says "the first code cell installs" when present
 FIRST_LINE = "# Runs anywhere: installs accumlab if it is missing (a hosted notebook service, a bare Jupyter); silent where it is installed."
 TORCH_CPU = "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 

@@ -60,6 +60,7 @@ html_theme = "sphinx_book_theme"
 html_title = "accumlab: gradient accumulation in PyTorch"
 html_static_path = [str(HERE / "_static")]
 html_css_files = ["accumlab.css"]
+html_js_files = ["accumlab.js"]  # the sidebar buttons of the article header (see the file)
 html_favicon = str(HERE / "_static" / "favicon.svg")  # else browsers ask for a missing /favicon.ico
 html_last_updated_fmt = None
 html_show_sourcelink = False
