@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -66,6 +67,23 @@ def check_clip_grad_norm(clip_grad_norm: object) -> float | None:
     return float(clip_grad_norm)
 
 
+def check_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
+    """``ValueError`` naming the group and key of a non-finite number (``inf``, ``nan``)
+    among the optimizer's hyper-parameters (``lr``, ``betas``, ``weight_decay``, ...):
+    every update would turn the weights into ``nan``."""
+    for i, group in enumerate(optimizer.param_groups):
+        for key, value in group.items():
+            values = value if isinstance(value, (list, tuple)) and key != "params" else [value]
+            for v in values:
+                if isinstance(v, Tensor) and v.numel() == 1:
+                    v = v.item()
+                if isinstance(v, numbers.Real) and not isinstance(v, bool) and not math.isfinite(v):
+                    raise ValueError(
+                        f"optimizer.param_groups[{i}][{key!r}] is {value!r}; hyper-parameters "
+                        "must be finite numbers: build the optimizer with a finite value"
+                    )
+
+
 def _check_callable(name: str, value: object) -> None:
     if value is not None and not callable(value):
         raise TypeError(f"{name} must be callable or None, got {type(value).__name__}")
@@ -89,6 +107,7 @@ def _check_train_arguments(
         )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    check_hyperparameters(optimizer)
     if not isinstance(plan, AccumulationPlan):
         raise TypeError(f"plan must be an AccumulationPlan, got {type(plan).__name__}")
     if not all(callable(getattr(objective, name, None)) for name in ("count", "loss_sum")):
@@ -212,15 +231,22 @@ def train(
     smaller size for later windows and records each shrink in ``ledger.shrinks``.
 
     Checkpoints (``accumlab.checkpoint``): with ``checkpoint_dir``, a checkpoint is written
-    there after every ``checkpoint_every`` update attempts of the run and after the last
-    one (atomically; the newest two are kept). ``resume=True`` continues from the newest
-    checkpoint in ``checkpoint_dir`` (a fresh start when there is none), given the same
-    model, optimizer, scheduler and data as the run that wrote it: the weights, optimizer,
-    scheduler, GradScaler, ledger, OOM shrink state, RNG states and data position are
-    restored, and the windows already trained on are skipped without a forward pass.
+    there after every ``checkpoint_every`` update attempts and after the last one
+    (atomically, with a SHA-256 checksum; the newest two are kept; a directory that
+    cannot be written to is an ``OSError`` before any data is read). ``resume=True``
+    continues from the newest intact checkpoint in ``checkpoint_dir`` (a fresh start when
+    there is none; a damaged newer one is skipped with a warning), given the same model,
+    optimizer, scheduler, settings and data as the run that wrote it: the windows already
+    trained on are read again without a forward pass and checked against what that run
+    trained on (example ids, or the tensors), then the weights, optimizer, scheduler,
+    GradScaler, ledger, OOM shrink state, RNG states and data position are restored. A
+    difference (optimizer class or hyper-parameters, scheduler class, ``clip_grad_norm``,
+    precision, seed, plan, model, data) is a ``checkpoint.ResumeMismatchError`` (a
+    ``ValueError``) naming it, raised before anything is loaded into the model.
     ``max_updates`` then counts the whole run's attempts, resumed ones included, so the
-    same call can be repeated until the run is done. Without ``resume``, a
-    ``checkpoint_dir`` that already holds checkpoints is a ``ValueError``.
+    same call can be repeated until the run is done (a warning when the checkpoint is
+    already past it). Without ``resume``, a ``checkpoint_dir`` that already holds
+    checkpoints is a ``ValueError``. Data that yields no microbatch at all is a warning.
 
     The ledger records what the run used (``ledger.settings``), so
     ``RunRecord.from_run(plan, ledger)`` needs nothing else.
@@ -256,9 +282,13 @@ def train(
         resolve_scaler(policy, scaler)  # wrong type or device raises; disabled under fp16 warns
     model.train()  # dropout on: a model left in eval() would otherwise train without it
 
+    # What a resume must find unchanged besides the plan, model, optimizer and precision.
+    fixed = {"clip_grad_norm": check_clip_grad_norm(clip_grad_norm), "scheduler_per": scheduler_per,
+             "nonfinite": nonfinite}  # fmt: skip
     ckpt = checkpoint.Checkpointer(
         checkpoint_dir, checkpoint_every, resume, model=model, optimizer=optimizer,
         scheduler=scheduler, scaler=scaler, plan=plan, precision=precision, batches=batches,
+        options=fixed,
     )  # fmt: skip
     ledger = ckpt.ledger  # restored from the checkpoint when resuming
     halvings = ckpt.halvings  # on_oom="shrink": how often every loader microbatch is cut in half
@@ -321,5 +351,12 @@ def train(
             if max_updates is not None and ledger.update_attempts >= max_updates:
                 break
     ledger.note_settings(**settings)  # the scaler's final scale
+    if ledger.loader_batches == 0:
+        warnings.warn(
+            "batches yielded no microbatch: 0 update attempts were made (an empty loader, or "
+            "an iterator that was already read to its end?)",
+            UserWarning,
+            stacklevel=2,
+        )
     ckpt.finish(halvings)
     return ledger

@@ -51,6 +51,7 @@ class Config:
     seq: int = SEQ
     seed: int = 0
     data_seed: int = 1
+    epochs: int = 0  # > 0: that many epochs of a shuffled DataLoader over the data's examples
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -104,8 +105,29 @@ def build(config: Config, rank: int = 0) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def examples_of(microbatches: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+    """The single examples (rows) of ``microbatches``, each a dict with a 0-dim example id."""
+    return [
+        {key: value[row] for key, value in mb.items()}
+        for mb in microbatches
+        for row in range(int(mb["input_ids"].shape[0]))
+    ]
+
+
+def shuffled_epochs(data: list[dict[str, Tensor]], m: int, epochs: int) -> Iterator[Any]:
+    """``epochs`` epochs of ``DataLoader(examples, batch_size=m, shuffle=True)`` chained:
+    the sampler draws each epoch's order from torch's global generator when the epoch
+    starts, as a training script that loops over epochs does."""
+    loader = torch.utils.data.DataLoader(examples_of(data), batch_size=m, shuffle=True)
+    for _ in range(epochs):
+        yield from loader
+
+
 def train(run: dict[str, Any], config: Config, batches: Any = None, **kwargs: Any) -> al.Ledger:
-    """``al.train`` on a built run (``batches`` replaces its data when given)."""
+    """``al.train`` on a built run (``batches`` replaces its data when given; with
+    ``config.epochs``, the data is that many shuffled DataLoader epochs)."""
+    if batches is None and config.epochs:
+        batches = shuffled_epochs(run["data"], config.m, config.epochs)
     return al.train(
         run["model"],
         run["data"] if batches is None else batches,
@@ -231,8 +253,11 @@ def two_rank_resume(directory: str) -> dict[str, Any]:
 # ------------------------------------------------------------------ the kill test
 
 
-KILL_CONFIG = Config(microbatches=60, m=2, a=2, dropout=0.1)
-KILL_PAUSE_S = 0.02  # per update attempt, so that a kill lands mid-run
+# Three epochs of a shuffled DataLoader over 14 examples (7 microbatches of 2 per epoch:
+# epochs 2 and 3 start inside windows 3 and 7 of 11), dropout 0.1: each epoch's order is
+# drawn from the global generator when it starts.
+KILL_CONFIG = Config(epochs=3, microbatches=7, m=2, a=2, dropout=0.1)
+KILL_PAUSE_S = 0.1  # per update attempt, so that a kill lands mid-run
 
 
 def kill_run(directory: str, out: str, pause_s: float) -> None:

@@ -147,7 +147,7 @@ def test_load_is_weights_only(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="Weights only load failed"):
         checkpoint.load_checkpoint(path)
     torch.save({"format": 99}, path)
-    with pytest.raises(ValueError, match="not an accumlab checkpoint of format 1"):
+    with pytest.raises(checkpoint.CorruptCheckpointError, match=f"not an accumlab checkpoint of format {checkpoint.FORMAT} .found 99"):
         checkpoint.load_checkpoint(path)
 
 
@@ -178,7 +178,10 @@ def test_check_compatible_names_every_difference() -> None:
     state = ckpt.state()
     state["world_size"] = 2
     other = workers.build(workers.Config(n_embd=8))
-    message = _refusal(state, plan=al.AccumulationPlan(4, 2), model=other["model"], world_size=1)
+    settings = {**state["settings"], "seed": 5, "clip_grad_norm": 0.5}
+    message = _refusal(state, plan=al.AccumulationPlan(4, 2), model=other["model"], world_size=1, settings=settings)
+    assert "seed (torch.initial_seed()): 1000 in the checkpoint, 5 now" in message
+    assert "clip_grad_norm: None in the checkpoint, 0.5 now" in message
     assert "plan: micro_batch_size 2 in the checkpoint, 4 now" in message
     assert "plan: effective_batch_size 4 in the checkpoint, 8 now" in message
     assert "world size: 2 in the checkpoint, 1 now" in message
@@ -188,5 +191,5 @@ def test_check_compatible_names_every_difference() -> None:
 
 def _refusal(state: dict[str, Any], **kwargs: Any) -> str:
     with pytest.raises(ValueError, match="cannot resume from this checkpoint") as info:
-        checkpoint.check_compatible(state, precision="fp32", scaler=None, scheduler=object(), **kwargs)
+        checkpoint.check_compatible(state, precision="fp32", scaler=None, **kwargs)
     return str(info.value)

@@ -279,36 +279,46 @@ def test_resumed_run_records_the_first_runs_initial_scale(tmp_path: Path) -> Non
 # ----------------------------------------------------------------- the kill test
 
 
-def test_sigkill_at_a_random_moment_then_resume_ends_with_the_straight_weights(tmp_path: Path) -> None:
-    """A subprocess trains with a checkpoint after every attempt; once its first one is
-    written it is SIGKILLed after a random delay. Rerun with resume=True (here, in this
-    process: one interpreter start less), it finishes with the weights of the run trained
-    straight through."""
+KILLS = 3
+
+
+def test_a_loop_of_sigkills_over_shuffled_epochs_with_dropout_resumes_bit_identical(tmp_path: Path) -> None:
+    """A subprocess trains ``workers.KILL_CONFIG`` (three epochs of a shuffled DataLoader,
+    dropout 0.1) with a checkpoint after every attempt, resuming from the directory. Up
+    to ``KILLS`` times, once it has written a checkpoint newer than the last kill left, it
+    is SIGKILLed after a random delay (mid-window, mid-write or between epochs) and
+    started again. Finished with resume=True (here, in this process: one interpreter
+    start less), the run ends with the weights of the run trained straight through."""
     started = time.monotonic()
     directory, out = tmp_path / "ckpt", tmp_path / "weights.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     command = [sys.executable, str(Path(workers.__file__)), str(directory), str(out), str(workers.KILL_PAUSE_S)]
-    child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
-    try:
-        while not checkpoint.list_checkpoints(directory):
-            assert child.poll() is None, child.stderr.read().decode() if child.stderr else ""
-            assert time.monotonic() - started < 60, "no checkpoint within 60 s"
-            time.sleep(0.01)
-        delay = random.Random().uniform(0.0, 0.3)  # its own generator: build() seeds the global one
-        time.sleep(delay)
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait()
-    assert child.returncode == -signal.SIGKILL
-    newest = checkpoint.list_checkpoints(directory)[0]
-    total = workers.KILL_CONFIG.microbatches // workers.KILL_CONFIG.a
-    assert newest < total and not out.exists()  # it was killed mid-run
-    print(f"killed {delay:.3f} s after the first checkpoint; newest checkpoint: {newest} of {total}")
-
+    config = workers.KILL_CONFIG
+    total = -(-config.epochs * config.microbatches // config.a)  # the last window is short
+    chooser = random.Random()  # its own generator: build() seeds the global one
+    landed = []  # the newest checkpoint after each kill that landed mid-run
+    for _ in range(KILLS):
+        before = (checkpoint.list_checkpoints(directory) or [-1])[0]
+        child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
+        try:
+            while (checkpoint.list_checkpoints(directory) or [-1])[0] <= before:
+                assert child.poll() is None, child.stderr.read().decode() if child.stderr else ""
+                assert time.monotonic() - started < 120, "no new checkpoint within 120 s"
+                time.sleep(0.01)
+            time.sleep(chooser.uniform(0.0, 0.25))
+            child.send_signal(signal.SIGKILL)
+        finally:
+            child.kill()
+            child.wait()
+        if out.exists():
+            break  # it finished before the kill
+        assert child.returncode == -signal.SIGKILL
+        landed.append(checkpoint.list_checkpoints(directory)[0])
+    assert len(landed) >= 2 and landed[-1] < total  # killed mid-run, more than once
     workers.kill_run(str(directory), str(out), pause_s=0.0)
     resumed = torch.load(out, weights_only=True)
     straight = workers.straight_weights()
     diff = max(float((resumed[k] - straight[k]).abs().max()) for k in straight)
-    print(f"kill test: largest weight difference {diff}; {time.monotonic() - started:.1f} s")
+    print(f"{len(landed)} kills (newest checkpoint after each: {landed} of {total}); "
+          f"largest weight difference {diff}; {time.monotonic() - started:.1f} s")
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
