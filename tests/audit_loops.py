@@ -330,6 +330,45 @@ def shuffled_rows(model, optimizer, scheduler, window):
     scheduler.step()
 
 
+SCALER = torch.amp.GradScaler("cpu")
+
+
+def with_grad_scaler(model, optimizer, scheduler, window):
+    """A GradScaler: scaled backward passes, unscaled before the one optimizer.step."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        SCALER.scale(loss_sum(model, mb) / total).backward()
+    SCALER.step(optimizer)
+    SCALER.update()
+    scheduler.step()
+
+
+CACHE: dict = {}
+
+
+def makes_a_cache_once(model, optimizer, scheduler, window):
+    """A buffer made in the first window and reused: not a leak."""
+    if "causal" not in CACHE:
+        CACHE["causal"] = torch.ones(16, 16, dtype=torch.bool).tril()
+    plain(model, optimizer, scheduler, window)
+
+
+LAST: dict = {}
+
+
+def keeps_only_the_latest_logits(model, optimizer, scheduler, window):
+    """Keeps the latest logits for a progress display, overwritten each microbatch."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        logits = logits_of(model, mb)
+        (shifted_sum(logits, mb["labels"]) / total).backward()
+        LAST["logits"] = logits.detach()
+    optimizer.step()
+    scheduler.step()
+
+
 # -- one mistake each --------------------------------------------------------------------
 
 
@@ -776,6 +815,9 @@ EXPECTED: dict = {
     autograd_grad_accumulated: OK,
     clip_above_the_norm: OK,
     shuffled_rows: OK,
+    with_grad_scaler: OK,
+    makes_a_cache_once: OK,
+    keeps_only_the_latest_logits: OK,
     # one mistake each
     double_division: bad("double_division"),
     hf_num_items_over_a: bad("double_division"),

@@ -288,3 +288,10 @@ def test_controlled_set_examples_are_told_apart_by_their_tokens():
                 n = a.tokens.numel()
                 if a is not b and n <= b.tokens.numel():
                     assert not torch.equal(b.tokens[:n], a.tokens)
+
+
+def test_a_buffer_made_once_is_not_a_leak_and_the_ok_text_says_so():
+    report = report_of(loops.makes_a_cache_once)
+    assert report.ok and [w.kept_tensors for w in report.windows] == [1, 0, 0, 0]
+    assert "no tensor outlived its window but 1 made once in the first window." in str(report)
+    assert "no tensor outlived its window." in str(report_of(loops.plain))
