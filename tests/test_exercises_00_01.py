@@ -162,6 +162,12 @@ def half_the_gradient(model: nn.Module, window: Window, mean_loss: Any, count: A
         (mean_loss(model, mb) * n / (2 * total)).backward()
 
 
+def divides_by_a_zero_count(model: nn.Module, window: Window, mean_loss: Any, count: Any) -> None:
+    total = sum(count(mb) for mb in window)
+    for mb in window:
+        (mean_loss(model, mb) * (count(mb) / total)).backward()  # 0 / 0 for an empty window
+
+
 def zeros_for_an_empty_window(model: nn.Module, window: Window, mean_loss: Any, count: Any) -> None:
     ex01.reference_accumulate_from_means(model, window, mean_loss, count)
     if sum(count(mb) for mb in window) == 0:
@@ -197,6 +203,7 @@ def test_checker_leaves_the_global_random_state_alone() -> None:
         (does_nothing, "no gradient at all"),
         (half_the_gradient, "differs from the full batch"),
         (zeros_for_an_empty_window, "window without any target"),
+        (divides_by_a_zero_count, "raised ZeroDivisionError: count the window first"),
     ],
 )
 def test_wrong_windows_are_named_by_check(answer: Any, reason: str, capsys: Any) -> None:
