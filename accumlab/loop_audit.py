@@ -812,6 +812,7 @@ class _Verdict:
         self.totals = [sum(objective.count(mb) for mb in w) for w in windows]
         self.by_key = {row.key: row for window in rows for row in window}
         self._cache: dict[tuple[RowKey, int, int], Tensor] = {}
+        self.late: set[RowKey] = set()  # examples trained after their window's last step
 
     def contribution(self, key: RowKey, theta: int, shift: int = 1) -> Tensor:
         """One example's loss sum over its window's targets, differentiated at weights
@@ -922,8 +923,14 @@ class _Verdict:
         cleared = [j for j in backed if abs(weights[j]) <= _TOL]
         if lost_clears or (cleared and fit.residual <= _TOL):
             found["zero_grad_in_window"].append(k)
+        late = [  # trained only after the window's last step: no update of it used them
+            j for j in range(len(rows)) if steps and trained[j] and j not in backed
+        ]
+        if late and fit.residual <= _TOL and all(abs(weights[j]) <= _TOL for j in late):
+            found["lost_microbatches"].append(k)
+            self.late.update(rows[j].key for j in late)
         if fit.carried > _TOL and fit.residual <= _TOL:  # else the shares mean nothing
-            notes["carried"].append(k)
+            notes["stale" if steps and not used else "carried"].append(k)
         if fit.residual > _TOL:
             notes["unexplained"].append(k)
         if any(None in watch.forwards[f].rows for f in forwards if watch.forwards[f].backward):
@@ -956,7 +963,12 @@ class _Verdict:
         found: dict[str, list[int]] = {name: [] for name in MISTAKES}  # windows showing each
         evidence: dict[str, str] = {}
         other: list[str] = []
-        notes: dict[str, list[int]] = {"carried": [], "unexplained": [], "unmatched": []}
+        notes: dict[str, list[int]] = {
+            "carried": [],
+            "stale": [],
+            "unexplained": [],
+            "unmatched": [],
+        }
         residual_at_1: dict[int, float] = {}
         audits: list[WindowAudit] = []
         matches: list[dict[str, tuple[_Weighting, list[float]]] | None] = []
@@ -1076,6 +1088,12 @@ class _Verdict:
                 ".grad at optimizer.step() (largest share "
                 f"{max(audits[k].carried for k in notes['carried']):.3g}); clear the gradients "
                 "once per window with optimizer.zero_grad()"
+            )
+        if notes["stale"]:
+            other.append(
+                f"{_windows_text(notes['stale'])}: optimizer.step() applied only gradients of "
+                "earlier windows: it ran before this window's backward passes; call it after "
+                "the window's last backward pass"
             )
         if notes["unexplained"]:
             other.append(
@@ -1211,41 +1229,51 @@ class _Verdict:
     def _lost_evidence(
         self, found: dict[str, list[int]], audits: list[WindowAudit], evidence: dict[str, str]
     ) -> None:
-        for name, test, verb in (
-            ("lost_microbatches", lambda n: n == 0, "never reached a backward pass whole"),
-            ("duplicated_microbatch", lambda n: n > 1, "went through more than one backward pass"),
-        ):
+        groups: dict[str, list[tuple[str, Callable[[RowKey, int], bool]]]] = {
+            "lost_microbatches": [
+                ("never reached a backward pass whole", lambda key, n: n == 0),
+                (
+                    "reached a backward pass only after the window's last optimizer.step()",
+                    lambda key, n: key in self.late,
+                ),
+            ],
+            "duplicated_microbatch": [
+                ("went through more than one backward pass", lambda key, n: n > 1)
+            ],
+        }
+        for name, tests in groups.items():
             if not found[name]:
                 continue
-            parts, targets = [], 0
-            for k in found[name]:
-                items = []
-                for i, passes in enumerate(audits[k].example_backward_passes):
-                    hit = [r for r, n in enumerate(passes) if test(n)]
-                    if not hit:
-                        continue
-                    targets += sum(self.by_key[(k, i, r)].targets for r in hit)
-                    times = (
-                        "" if name == "lost_microbatches" else f" ({max(passes[r] for r in hit)} ×)"
-                    )
-                    if len(hit) == len(passes):
-                        items.append(f"microbatch {i}{times}")
-                    else:
-                        ex = ", ".join(map(str, hit))
-                        items.append(
-                            f"example{'s' if len(hit) > 1 else ''} {ex} of microbatch {i}{times}"
-                        )
-                parts.append(f"window {k}: {', '.join(items)}")
-            shown = "; ".join(parts)
-            weights = audits[found[name][0]].weights
+            windows, sentences, targets = sorted(set(found[name])), [], 0
+            for verb, test in tests:
+                parts = []
+                for k in windows:
+                    items = []
+                    for i, passes in enumerate(audits[k].example_backward_passes):
+                        hit = [r for r, n in enumerate(passes) if test((k, i, r), n)]
+                        if not hit:
+                            continue
+                        targets += sum(self.by_key[(k, i, r)].targets for r in hit)
+                        times = "" if name == "lost_microbatches" else f" ({max(passes)} ×)"
+                        if len(hit) == len(passes):
+                            items.append(f"microbatch {i}{times}")
+                        else:
+                            ex = ", ".join(map(str, hit))
+                            plural = "s" if len(hit) > 1 else ""
+                            items.append(f"example{plural} {ex} of microbatch {i}{times}")
+                    if items:
+                        parts.append(f"window {k}: {', '.join(items)}")
+                if parts:
+                    sentences.append(f"{'; '.join(parts)} {verb}")
+            weights = audits[windows[0]].weights
             shares = (
-                f"; weights in window {found[name][0]}: {_numbers(weights)} (1 = correct)"
+                f"; weights in window {windows[0]}: {_numbers(weights)} (1 = correct)"
                 if weights
                 else ""
             )
             evidence[name] = (
-                f"{shown} {verb} ({targets} of the controlled set's {sum(self.totals)} targets)"
-                f"{shares}"
+                f"{'; and '.join(sentences)} ({targets} of the controlled set's "
+                f"{sum(self.totals)} targets){shares}"
             )
 
 

@@ -601,6 +601,28 @@ def truncates_rows(model, optimizer, scheduler, window):
     scheduler.step()
 
 
+def steps_before_last_microbatch(model, optimizer, scheduler, window):
+    """Off by one: the update is made before the window's last backward pass."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for i, mb in enumerate(window):
+        (loss_sum(model, mb) / total).backward()
+        if i == len(window) - 2:
+            optimizer.step()
+            scheduler.step()
+
+
+def steps_first(model, optimizer, scheduler, window):
+    """optimizer.step() at the top of the window: it applies the previous window's
+    gradient, and this window's reaches no update of its own."""
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+
+
 def first_microbatch_twice(model, optimizer, scheduler, window):
     optimizer.zero_grad()
     total = targets(window)
@@ -843,6 +865,8 @@ EXPECTED: dict = {
     drops_last_row: bad("lost_microbatches"),
     forgot_backward: bad("lost_microbatches"),
     truncates_rows: bad("lost_microbatches", other=True),
+    steps_before_last_microbatch: bad("lost_microbatches"),
+    steps_first: bad("lost_microbatches", other=True),
     first_microbatch_twice: bad("duplicated_microbatch"),
     window_twice: bad("duplicated_microbatch"),
     labels_not_shifted: bad("labels_not_shifted"),

@@ -79,6 +79,18 @@ def test_lost_microbatches_are_named_with_the_missing_targets():
     )
 
 
+def test_a_backward_pass_after_the_last_step_is_a_lost_microbatch():
+    report = report_of(loops.steps_before_last_microbatch)
+    assert report.mistakes == ["lost_microbatches"] and report.other == []
+    assert report.windows[0].weights == pytest.approx([1, 1, 1, 0], abs=1e-9)
+    assert report.evidence["lost_microbatches"].startswith(
+        "window 0: microbatch 3; window 1: microbatch 3; window 2: microbatch 3; window 3: "
+        "microbatch 1 reached a backward pass only after the window's last optimizer.step()"
+    )
+    stale = report_of(loops.steps_first)
+    assert stale.other[0].startswith("windows 1, 2, 3: optimizer.step() applied only gradients")
+
+
 def test_a_lost_row_is_named_by_its_example():
     evidence = report_of(loops.drops_last_row).evidence["lost_microbatches"]
     assert evidence.startswith("window 0: example 1 of microbatch 0, example 2 of microbatch 2")
