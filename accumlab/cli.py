@@ -5,9 +5,10 @@
     accumlab train --micro 4 --steps 8 --updates 20 --record runs/run.json
     accumlab train --updates 20 --checkpoint-dir runs/ckpt --checkpoint-every 5 --resume
 
-Exit codes: 0 success; 1 a failed check, a file that cannot be written or a run that
-failed (one line on stderr, never a traceback); 2 bad arguments or settings that differ
-from the checkpoint's on resume; 130 interrupted (Ctrl-C), naming the last checkpoint.
+Exit codes: 0 success; 1 a failed check, a file that cannot be written, no intact
+checkpoint to resume from, or a run that failed; 2 bad arguments, or settings that
+differ from the checkpoint's on resume; 130 interrupted (Ctrl-C). Each failure is one
+line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -490,7 +491,10 @@ def _plain(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="accumlab", description=_plain(__doc__.splitlines()[0]))
+    first, _, rest = __doc__.partition("\n")
+    parser = argparse.ArgumentParser(prog="accumlab", description=_plain(first),
+                                     epilog=_plain(rest.strip("\n")),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"accumlab {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
