@@ -679,9 +679,9 @@ def audit(train_one_window: Callable[..., Any], *, seed: int = 0) -> AuditReport
     What it does not check: non-finite gradients, loss scaling and skipped updates
     (GradScaler), mixed precision, clipping, data-parallel averaging (``× D``) and
     ``no_sync``, dropout or BatchNorm, and your own model, data loader, optimizer and
-    learning rate: the loop runs on the audit's model, optimizer and data. Run the loop in
-    full precision (no autocast) and without clipping below the gradient norm: either
-    shows up in ``report.other`` as an update the microbatch gradients do not explain.
+    learning rate: the loop runs on the audit's model, optimizer and data. Autocast leaves
+    the float64 model alone, so a loop's mixed precision is not even exercised; clipping
+    below the gradient norm shows up in ``report.other`` as updates scaled by a factor.
 
     Returns an :class:`AuditReport`. The global random state is left as it was.
     Exceptions from ``train_one_window`` propagate, with a note naming the window.
