@@ -70,7 +70,7 @@ def test_the_landing_table_lists_every_lesson_with_what_it_teaches_and_its_time(
     for stem, row in zip(LESSONS, table[2:], strict=True):
         assert f"[Title {stem}](lessons/{stem}.ipynb)" in row
         assert readme[stem][0] in row  # what it teaches, from README.md
-        assert re.search(r"\| [\d.]+ s \|$", row)  # its run-all time, from docs/WORKSHOP.md
+        assert re.search(r"\| [\d.]+\u00a0s \|$", row)  # its run-all time, from docs/WORKSHOP.md
 
 
 def test_a_readme_without_the_course_table_is_an_error():
