@@ -202,11 +202,10 @@ def test_a_corrupt_newest_checkpoint_is_one_line(tmp_path, damage):
     assert "Traceback" not in result.stderr, result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr
-    assert newest.name in lines[0]
-    if result.returncode == 0:  # the library fell back to the previous checkpoint, and said so
-        assert lines[0].startswith("accumlab: warning: ")
-    else:
-        assert result.returncode == 1 and lines[0].startswith("accumlab: error: ")
+    # the library falls back to the previous checkpoint, and the command says so in one line
+    assert result.returncode == 0, result.stderr
+    assert lines[0].startswith("accumlab: warning: ") and newest.name in lines[0], lines
+    assert "3 update attempts" in result.stdout
 
 
 def test_no_intact_checkpoint_is_one_line(monkeypatch, capsys):
@@ -237,10 +236,6 @@ def test_no_intact_checkpoint_is_one_line(monkeypatch, capsys):
 
 
 def test_every_checkpoint_damaged_from_the_command_line(tmp_path):
-    import accumlab.checkpoint
-
-    if not hasattr(accumlab.checkpoint, "CorruptCheckpointError"):
-        pytest.skip("the library does not check checkpoint integrity yet")
     ckpt = tmp_path / "ckpt"
     assert cli(*SMALL, "--updates", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1").returncode == 0
     for name in ("checkpoint-00000001-rank0.pt", "checkpoint-00000002-rank0.pt"):
