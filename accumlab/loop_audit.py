@@ -1112,6 +1112,11 @@ class _Verdict:
                 "scheduler.step() was never called: a schedule defined in updates needs one "
                 "call per update, after optimizer.step()"
             )
+        elif skipped := [w.index for w in audits if not w.scheduler_steps and w.optimizer_steps]:
+            other.append(
+                f"{_windows_text(skipped)}: an update without scheduler.step(); the schedule "
+                "falls behind the updates (call it once per update, after optimizer.step())"
+            )
         moved = [
             w.index
             for w in audits

@@ -725,6 +725,14 @@ def without_scheduler(model, optimizer, scheduler, window):
     optimizer.step()
 
 
+def scheduler_every_other_window(model, optimizer, scheduler, window):
+    """The schedule advances on every other update only."""
+    LOG.append("window")
+    without_scheduler(model, optimizer, scheduler, window)
+    if len(LOG) % 2:
+        scheduler.step()
+
+
 def clipped_below_the_norm(model, optimizer, scheduler, window):
     optimizer.zero_grad()
     total = targets(window)
@@ -877,6 +885,7 @@ EXPECTED: dict = {
     never_cleared: bad(other=True),
     undivided: bad(other=True),
     without_scheduler: bad(other=True),
+    scheduler_every_other_window: bad(other=True),
     clipped_below_the_norm: bad(other=True),
     doubled_loss: bad(other=True),
     divides_by_examples: bad(other=True),
