@@ -427,7 +427,9 @@ class RunRecord:
         ``"example"``); ``precision`` the run's ``"fp32"`` (default), ``"bf16"`` or
         ``"fp16"``; ``scaler`` the ``torch.amp.GradScaler`` the run used (its settings and
         current scale are recorded). A keyword given overrides what the ledger noted.
-        Skipped attempts are split by their report's ``skipped_reason``.
+        Skipped attempts are split by their report's ``skipped_reason``. After an OOM
+        shrink, ``micro_batch_size`` and ``accumulation_steps`` are what the last update
+        ran at and ``shrinks`` says from which update (``plan`` stays in ``planned_*``).
 
         ``reduce_over_ranks=True`` (collective: every rank calls it) records the whole
         run: examples, targets, microbatches and the window losses summed over the ranks
