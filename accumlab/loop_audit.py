@@ -8,9 +8,9 @@ the gradient each ``optimizer.step`` found as a combination of the correct per-e
 contributions (each example's summed next-token loss over its window's target count, at
 the weights its forward pass ran at). The shares of that combination name the mistake:
 all ``1/A`` is a double division, ``1/targets of the microbatch`` an average of
-averages, 0 for an example never trained a lost microbatch, and so on. Everything is
-float64, so a correct loop matches to about 1e-12 and the verdict's tolerance,
-:data:`AUDIT_TOLERANCE`, is 1e-6 relative.
+averages, 0 for an example never trained a lost microbatch, 2 for one trained twice a
+duplicated microbatch, and so on. Everything is float64, so a correct loop matches to
+about 1e-12 and the verdict's tolerance, :data:`AUDIT_TOLERANCE`, is 1e-6 relative.
 """
 
 from __future__ import annotations
@@ -245,6 +245,7 @@ class _Row:
 
 
 def _rows(windows: Sequence[Sequence[Mapping[str, Tensor]]]) -> list[list[_Row]]:
+    """Every example of every window, in order (microbatch by microbatch, row by row)."""
     out = []
     for k, window in enumerate(windows):
         rows = []
