@@ -68,6 +68,17 @@ def _version(distribution: str) -> str | None:
         return None
 
 
+def in_checkout() -> bool:
+    """Whether accumlab runs from the course's repository (its Makefile beside the package),
+    so `make lab` exists; a standalone install (pip, a wheel) has no Makefile."""
+    return (Path(__file__).resolve().parents[1] / "Makefile").is_file()
+
+
+def _install_hint(what: str) -> str:
+    """How to get ``what`` (a pip requirement) here: `make lab` in a checkout, pip elsewhere."""
+    return "`make lab` installs it" if in_checkout() else f"`pip install {what}` installs it"
+
+
 def environment() -> dict[str, Any]:
     """Versions, CPU threads and devices, as printed by ``accumlab env``."""
     import torch
@@ -89,7 +100,7 @@ def environment() -> dict[str, Any]:
         "gloo": torch.distributed.is_available() and torch.distributed.is_gloo_available(),
         "matplotlib": _version("matplotlib"),
         "ipywidgets": _version("ipywidgets"),
-        "jupyterlab": _version("jupyterlab") or "not installed (`make lab` installs it)",
+        "jupyterlab": _version("jupyterlab") or f"not installed ({_install_hint('jupyterlab')})",
     }
 
 
@@ -131,7 +142,8 @@ def smoke_check(info: dict[str, Any]) -> list[str]:
     problems = []
     for name in ("matplotlib", "ipywidgets"):
         if info[name] is None:
-            problems.append(f"{name} is missing; reinstall with `pip install -e .` (or `make lab`)")
+            fix = "`pip install -e .` (or `make lab`)" if in_checkout() else f"`pip install {name}`"
+            problems.append(f"{name} is missing; install it with {fix}")
     if not info["gloo"]:
         problems.append("torch.distributed with gloo is unavailable; notebook 04 needs it")
     if not str(info["torch"]).startswith(TESTED_TORCH + "."):
