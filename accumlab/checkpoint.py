@@ -653,11 +653,11 @@ class Checkpointer:
         )
         self.ledger.load_state_dict(state["ledger"])
         self.halvings = int(state["oom_halvings"])
-        data = state["data"]
+        data, history = state["data"], state["data_history"]
         self._windows_done = int(data["windows"])
-        self._digests = [int(d) for d in data["digests"].tolist()]
-        self._draws = {int(d["window"]): d["rng"] for d in data["rng_draws"]}
-        self._draws_full_at = data["rng_draws_full_at"]
+        self._digests = [int(d) for d in history["digests"].tolist()]
+        self._draws = {int(d["window"]): d["rng"] for d in history["rng_draws"]}
+        self._draws_full_at = history["rng_draws_full_at"]
         restorable = callable(getattr(self.batches, "load_state_dict", None))
         if data["loader"] is not None and self.world_size == 1 and restorable:
             self.batches.load_state_dict(data["loader"])  # type: ignore[attr-defined]
@@ -813,6 +813,8 @@ class Checkpointer:
                 "windows": self._windows_done,
                 "microbatches": self.ledger.loader_batches,
                 "loader": _loader_state(self.batches),
+            },
+            "data_history": {  # per window: what it held, and the RNG its reading drew from
                 "digests": torch.tensor(self._digests, dtype=torch.int64),
                 "rng_draws": [{"window": w, "rng": s} for w, s in sorted(self._draws.items())],
                 "rng_draws_full_at": self._draws_full_at,

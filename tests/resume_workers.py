@@ -250,6 +250,36 @@ def two_rank_resume(directory: str) -> dict[str, Any]:
     return results
 
 
+def two_rank_fallback(directory: str) -> dict[str, Any]:
+    """Two DDP ranks (uneven data, dropout) with a checkpoint after every attempt, stopped
+    after 4; then rank 0's checkpoint 4 is cut in half. Resumed, rank 0 cannot read its
+    newest checkpoint and rank 1 can: both must fall back to checkpoint 3 together and end
+    as the straight run does. Returns this rank's snapshots and the warnings it gave."""
+    import warnings
+
+    rank = torch.distributed.get_rank()
+    config = Config(microbatches=7 - 2 * rank, dropout=0.2)
+    run = build(config, rank)
+    straight = snapshot(run, train(run, config))
+    first = build(config, rank)
+    train(first, config, max_updates=4, checkpoint_dir=directory, checkpoint_every=1)
+    torch.distributed.barrier()
+    if rank == 0:
+        path = checkpoint.checkpoint_path(directory, 4, rank=0)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    torch.distributed.barrier()
+    second = build(config, rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ledger = train(second, config, checkpoint_dir=directory, resume=True)
+    return {
+        "straight": straight,
+        "resumed": snapshot(second, ledger),
+        "warnings": [str(w.message) for w in caught],
+        "newest": checkpoint.list_checkpoints(directory, rank)[0],
+    }
+
+
 # ------------------------------------------------------------------ the kill test
 
 
