@@ -199,8 +199,8 @@ def ddp_window(
     for i, mb in enumerate(window):
         mb = {k: v.to(device) for k, v in mb.items()}
         last = i == len(window) - 1
-        # DDP decides at forward time whether the next backward all-reduces, so no_sync
-        # covers the forward AND the backward of every microbatch but the last.
+        # DDP reads the no_sync flag in the forward (to prepare the backward's all-reduce),
+        # so no_sync must cover the forward; wrapping the backward too is the idiom.
         with contextlib.nullcontext() if last else model.no_sync():
             logits = model(input_ids=mb["input_ids"]).logits
             loss_sum = objective.loss_sum(logits, mb)
@@ -236,25 +236,49 @@ def first_windows(
     return [exs[:per_window] for exs in uneven_examples(world_size)]
 
 
+#: Exercise ``ex04.uneven_window``: per window, the ranks whose microbatches have no
+#: targets (every label -100). Window 1: rank 0 has none; window 2: no rank has any.
+NO_TARGETS = ((), (0,), (0, 1))
+
+
+def without_targets(microbatch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A copy of ``microbatch`` whose every label is -100 (ignored): no targets."""
+    return {**microbatch, "labels": torch.full_like(microbatch["labels"], -100)}
+
+
+def window_examples(
+    rank: int, world: int, window: int, micro_batch_size: int = 2, accumulation_steps: int = 2
+) -> list[data.Example]:
+    """The examples of ``rank``'s window ``window`` in :func:`run_window_answers` (all of
+    them, also when the window's labels are then removed)."""
+    per_window = micro_batch_size * accumulation_steps
+    return uneven_examples(world)[rank][window * per_window : (window + 1) * per_window]
+
+
 def run_window_answers(
     answers: Sequence[tuple[str, str]],
     micro_batch_size: int = 2,
     accumulation_steps: int = 2,
-    windows: int = 2,
+    no_targets: Sequence[Sequence[int]] = NO_TARGETS,
 ) -> list[dict[str, Any]]:
-    """Exercise ``ex04.ddp_window``: for each ``(source, name)`` define the learner's
+    """Exercise ``ex04.uneven_window``: for each ``(source, name)`` define the learner's
     function from its source and call it as ``fn(model, window, optimizer, objective)``
-    for ``windows`` windows of this rank's :func:`uneven_examples`, on a fresh DDP model
-    with a :class:`SyncCounter` and an optimizer that records the gradient handed to each
-    ``step()`` and changes no weight. Returns per answer the syncs and steps counted per
-    window, whether a nonzero ``.grad`` was left, the recorded gradients, and ``error``
-    (the exception it raised, as text, or None)."""
+    for ``len(no_targets)`` windows of this rank's :func:`uneven_examples` (window ``w``
+    without targets on the ranks in ``no_targets[w]``), on a fresh DDP model with a
+    :class:`SyncCounter` and an optimizer that records the gradient handed to each
+    ``step()`` and changes no weight. Returns per answer, per window, the syncs and steps
+    counted, the value returned, whether a nonzero ``.grad`` was left; the recorded
+    gradients; and ``error`` (the exception it raised, as text, or None)."""
     import accumlab as al  # a learner's answer may use the package
 
     rank, world = rank_and_world()
     a = accumulation_steps
-    examples = uneven_examples(world)[rank][: micro_batch_size * a * windows]
-    batches = data.microbatches(examples, micro_batch_size)
+    windows = []
+    for w, empty in enumerate(no_targets):
+        window = data.microbatches(
+            window_examples(rank, world, w, micro_batch_size, a), micro_batch_size
+        )
+        windows.append([without_targets(mb) for mb in window] if rank in empty else window)
     results = []
     for source, name in answers:
         namespace = {"torch": torch, "dist": dist, "contextlib": contextlib, "F": F, "nn": nn}
@@ -262,12 +286,17 @@ def run_window_answers(
         model = wrap(small_model(), "ddp")
         counter = SyncCounter().attach(model)
         optimizer = GradientSnapshots(model)
-        out: dict[str, Any] = {"syncs": [], "steps": [], "grads_left": [], "error": None}
+        out: dict[str, Any] = {
+            "syncs": [], "steps": [], "grads_left": [], "returned": [], "error": None,
+        }  # fmt: skip
         try:
             exec(compile(source, "<your answer>", "exec"), namespace)  # the learner's code
-            for w in range(windows):
+            for window in windows:
                 syncs, steps = counter.syncs, len(optimizer.seen)
-                namespace[name](model, batches[w * a : (w + 1) * a], optimizer, NextTokenLoss())
+                returned = namespace[name](model, window, optimizer, NextTokenLoss())
+                out["returned"].append(
+                    returned if isinstance(returned, (bool, int)) else repr(returned)
+                )
                 out["syncs"].append(counter.syncs - syncs)
                 out["steps"].append(len(optimizer.seen) - steps)
                 left = any(p.grad is not None and bool(p.grad.any()) for p in model.parameters())

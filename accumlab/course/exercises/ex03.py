@@ -1,29 +1,30 @@
 """Exercises for notebook 03 (mixed precision and the GradScaler).
 
-- ``amp_microbatch``: write the microbatch side of an fp16 window,
-  ``amp_microbatch(model, microbatch, objective, window_count, scaler) -> None``: run the
-  forward and the loss under ``torch.autocast(device_type="cpu", dtype=torch.float16)``,
-  divide the microbatch's ``loss_sum`` by the window's count, and backpropagate the loss
-  multiplied by the scaler's scale. The checker calls it for each microbatch of a window
-  of unequal microbatches, unscales once and compares the gradient with the reference;
-  it names the usual mistakes: no autocast (or bf16), backward on the unscaled loss,
-  the microbatch's own mean (the average of averages), no division, the boundary's calls
-  (``unscale_``, ``step``, ``update``) made per microbatch, earlier gradients cleared.
 - ``window_boundary``: write the end of an fp16 accumulation window,
-  ``window_boundary(model, optimizer, scaler, max_norm) -> None``. When it is called,
-  every microbatch of the window has already backpropagated ``scaler.scale(loss)``, so
-  each ``.grad`` holds the window's gradient multiplied by the scale. The function must
-  make the five calls of the boundary in the right order: unscale the gradients once,
-  clip the combined unscaled gradient to ``max_norm``, step through the scaler (which
-  skips the update when a gradient is inf/nan), update the scale, clear the gradients.
+  ``window_boundary(model, optimizer, scaler, max_norm) -> tuple[bool, float]``. When it is
+  called, every microbatch of the window has already backpropagated ``scaler.scale(loss)``,
+  so each ``.grad`` holds the window's gradient multiplied by the scale. Clip the combined
+  true gradient to ``max_norm``, let the scaler step and update, clear the gradients, and
+  return ``(applied, norm)``: whether the update was applied and the total norm of the true
+  (unscaled) gradient before clipping (a float; inf or nan when a gradient entry is).
 
-The checker runs the answer on a fresh MLP whose window was accumulated under fp16
-autocast with a recording GradScaler and optimizer, once with finite gradients and once
-with an inf injected into one gradient, and compares the weights, the scale and the call
-order with the reference. Its messages name the usual mistakes: clipping before
-unscaling (the clip then sees gradients multiplied by the scale), stepping the optimizer
-directly (an inf gradient then reaches the weights), updating the scale before the step,
-clearing the gradients too early, unscaling twice.
+  The checker runs the answer on a fresh MLP whose window was accumulated under fp16
+  autocast with a recording GradScaler and optimizer, once with finite gradients and once
+  with an inf injected into one gradient, and compares the weights, the scale, the call
+  order and the returned pair with the reference. Its messages name the usual mistakes:
+  clipping before unscaling (the clip then sees gradients multiplied by the scale),
+  stepping the optimizer directly (an inf gradient then reaches the weights), updating the
+  scale before the step, clearing the gradients too early, unscaling twice, the norm
+  measured before ``unscale_`` or after the clip, ``applied`` taken from ``scaler.step``'s
+  return value (``None`` whether or not it stepped).
+- ``scale_schedule`` (transfer): ``scale_schedule(nonfinite, init_scale, growth_interval)
+  -> list[float]``, the scale each window's microbatches are multiplied by, for windows
+  whose unscaled gradient is non-finite where ``nonfinite[i]`` is True, under GradScaler's
+  rules (×2 after ``growth_interval`` applied updates in a row, ×0.5 after a skipped one).
+  The checker compares with a real ``torch.amp.GradScaler`` driven through the same windows.
+- Predict first: ``cpu_softmax_dtype`` (the dtype of a softmax under CPU bf16 autocast),
+  ``fp16_of_4e_8`` (what 4e-8 becomes in fp16), ``adamw_steps_after_skip`` (AdamW's step
+  count after three windows, the middle one skipped).
 """
 
 from __future__ import annotations
@@ -32,18 +33,19 @@ import contextlib
 import copy
 import inspect
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+import random
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ...checks import compare, inject_nonfinite
+from ...checks import inject_nonfinite
 from ...loop import accumulate
 from ...objectives import ExampleLoss
 from ..models import MLP
 from . import Exercise
+from .predictions import choice_prediction, number_prediction
 
 #: Relative tolerance on the weights after the update: both runs do the same float32 math.
 RTOL = 1e-5
@@ -57,13 +59,16 @@ def reference_window_boundary(
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,
     max_norm: float,
-) -> None:
-    """The five calls at the end of an fp16 window, in order."""
+) -> tuple[bool, float]:
+    """The end of an fp16 window; returns (applied, true gradient norm before clipping)."""
     scaler.unscale_(optimizer)  # once, after the last backward: .grad is now the true gradient
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # the combined, unscaled one
-    scaler.step(optimizer)  # skips optimizer.step() if any gradient is inf/nan
+    # clip the combined, unscaled gradient; clip_grad_norm_ returns the norm it measured
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    applied = math.isfinite(norm)  # finite exactly when every gradient entry is
+    scaler.step(optimizer)  # makes no optimizer.step() when unscale_ found an inf or nan
     scaler.update()  # grows the scale, or backs it off after a skip
     optimizer.zero_grad(set_to_none=True)  # the next window starts from nothing
+    return applied, norm
 
 
 class _Log:
@@ -72,6 +77,7 @@ class _Log:
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.norm_at_step: float | None = None
+        self.returned: Any = None
 
 
 class _RecordingScaler(torch.amp.GradScaler):
@@ -145,7 +151,7 @@ def _run(
         accumulate(model, window, ExampleLoss(), precision="fp16", scaler=scaler)
     log.calls.clear()  # only the boundary counts
     try:
-        answer(model, optimizer, scaler, max_norm)
+        log.returned = answer(model, optimizer, scaler, max_norm)
     except NotImplementedError:
         raise  # a stub: check() reports "not attempted yet"
     except Exception as exc:  # report what the learner's order made PyTorch say
@@ -251,6 +257,9 @@ def check_window_boundary(answer: Callable[..., Any]) -> str | None:
             return f"the scale is {scaler.get_scale():g}, expected {ref_scaler.get_scale():g}"
         if any(p.grad is not None and bool(p.grad.any()) for p in model.parameters()):
             return "gradients are left after the boundary; clear them with optimizer.zero_grad()"
+        problem = _returned_problem(log.returned, True, true_norm, 2.0**10, max_norm)
+        if problem is not None:
+            return problem
 
         # A window with an inf gradient: nothing may reach the weights, the scale backs off.
         model, window = _case(seed=4)
@@ -268,6 +277,51 @@ def check_window_boundary(answer: Callable[..., Any]) -> str | None:
                 "with an inf gradient the scale should back off from 1024 to 512, got "
                 f"{scaler.get_scale():g}; call scaler.update() after the step"
             )
+        return _returned_problem(log.returned, False, math.inf, 2.0**10, max_norm)
+
+
+def _returned_problem(
+    returned: Any, applied: bool, true_norm: float, scale: float, max_norm: float
+) -> str | None:
+    """What is wrong with the ``(applied, norm)`` an answer returned, or None."""
+    where = "on a finite window" if applied else "on a window with an inf gradient"
+    if not isinstance(returned, tuple) or len(returned) != 2:
+        return (
+            f"return (applied, norm), a bool and a float; got {returned!r} {where}: whether "
+            "the update was applied and the true gradient's norm before clipping"
+        )
+    got_applied, norm = returned
+    try:
+        norm = float(norm)
+    except (TypeError, ValueError):
+        return f"norm must be a float (or a 0-d tensor), got {type(norm).__name__}"
+    if got_applied is None:
+        return (
+            "applied is None: scaler.step(optimizer) returns what optimizer.step() returned, "
+            "None whether or not it stepped; decide from the norm: math.isfinite(norm)"
+        )
+    if bool(got_applied) != applied:
+        if applied:
+            return f"applied is {got_applied!r} {where}: the update was applied"
+        return (
+            f"applied is {got_applied!r} {where}: the scaler skipped the update; the norm "
+            "of a gradient with an inf or nan entry is not finite, math.isfinite(norm) says so"
+        )
+    if applied:
+        if math.isclose(norm, true_norm * scale, rel_tol=1e-3):
+            return (
+                f"the norm {norm:.4g} is the scale ({scale:g}) times the true norm: measure it "
+                "after scaler.unscale_(optimizer)"
+            )
+        if math.isclose(norm, max_norm, rel_tol=1e-3):
+            return (
+                f"the norm {norm:.4g} is max_norm: it was measured after clipping; "
+                "clip_grad_norm_ returns the norm before it clipped"
+            )
+        if not math.isclose(norm, true_norm, rel_tol=1e-4):
+            return f"the norm is {norm:.6g}, expected the true gradient's {true_norm:.6g}"
+    elif math.isfinite(norm):
+        return f"the norm is {norm:.4g} {where}; the gradient's norm is inf or nan there"
     return None
 
 
@@ -280,192 +334,223 @@ window_boundary = Exercise(
     name="window_boundary",
     checker=check_window_boundary,
     hints=(
-        "Five calls: scaler.unscale_(optimizer), torch.nn.utils.clip_grad_norm_(model."
-        "parameters(), max_norm), scaler.step(optimizer), scaler.update(), "
-        "optimizer.zero_grad().",
         "Clipping compares the gradient norm with max_norm, so it must see the true "
-        "gradient: unscale first.",
-        "scaler.update() decides the next scale from what scaler.step found, so it comes "
-        "after the step; clearing the gradients comes last.",
+        "gradient: scaler.unscale_(optimizer) first, once.",
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) returns the total norm "
+        "it measured (before clipping); it is finite exactly when every entry is.",
+        "Then scaler.step(optimizer) (it skips the update after an inf), scaler.update() "
+        "(it reads what the step found), optimizer.zero_grad(); return "
+        "(math.isfinite(norm), norm).",
     ),
     reference=inspect.getsource(reference_window_boundary),
 )
 
 
-# ----------------------------------------------------------------------------- amp_microbatch
+# ----------------------------------------------------------------------------- scale_schedule
 
 
-def reference_amp_microbatch(model, microbatch, objective, window_count, scaler):
-    """Forward and backward of one microbatch of an fp16 window."""
-    with torch.autocast(device_type="cpu", dtype=torch.float16):
-        output = model(microbatch["x"])  # matrix products in fp16, weights stay float32
-        loss = objective.loss_sum(output, microbatch) / window_count  # the window's count
-    scaler.scale(loss).backward()  # S × the gradient lands in .grad; unscale_ at the boundary
+def reference_scale_schedule(nonfinite, init_scale, growth_interval):
+    """The scale each window's microbatches are multiplied by, window after window."""
+    scale, in_a_row, used = init_scale, 0, []
+    for inf in nonfinite:
+        used.append(scale)  # one scale for the whole window; it changes only in update()
+        if inf:  # skipped: back off, and the count of applied updates starts again
+            scale, in_a_row = scale * 0.5, 0
+        else:
+            in_a_row += 1
+            if in_a_row == growth_interval:  # that many applied updates in a row: grow
+                scale, in_a_row = scale * 2.0, 0
+    return used
 
 
-#: Relative tolerance on the unscaled window gradient: the answer does the same fp16 math.
-AMP_RTOL = 1e-3
+def real_scale_schedule(
+    nonfinite: Sequence[bool], init_scale: float, growth_interval: int
+) -> list[float]:
+    """What a real ``torch.amp.GradScaler("cpu")`` does: one weight, one microbatch per
+    window, an inf injected into the windows marked True; the scale each window used."""
+    weight = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+    used = []
+    for inf in nonfinite:
+        used.append(float(scaler.get_scale()))
+        with inject_nonfinite(weight) if inf else contextlib.nullcontext():
+            scaler.scale(weight.sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+    return used
 
 
-def _amp_case() -> tuple[nn.Module, list[dict[str, Tensor]]]:
-    """A fresh MLP and a window of three microbatches of 2, 3 and 4 examples."""
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(9, 6, generator=g)
-    labels = torch.randint(0, 3, (9,), generator=g)
-    torch.manual_seed(7)
-    bounds = [(0, 2), (2, 5), (5, 9)]
-    return MLP(6, 12, 3), [{"x": x[a:b], "labels": labels[a:b]} for a, b in bounds]
+def _schedule_cases() -> list[tuple[list[bool], float, int]]:
+    cases = [
+        ([False] * 5, 1024.0, 2),
+        ([False, False, True, False, False, False], 2.0**16, 2),
+        ([True, True, False, False, False], 256.0, 3),
+        ([False, True, False, True, False, False, False, False], 8.0, 2),
+        ([False] * 4, 64.0, 1),
+    ]
+    rng = random.Random(3)
+    for _ in range(12):
+        n = rng.randint(1, 12)
+        cases.append(
+            ([rng.random() < 0.3 for _ in range(n)], 2.0 ** rng.randint(3, 16), rng.randint(1, 4))
+        )
+    return cases
 
 
-@dataclass
-class _AmpRun:
-    """What one run of an ``amp_microbatch`` answer left: the unscaled window gradient
-    (None if no backward reached the weights), the boundary calls the scaler saw, how
-    often it scaled a loss, the dtypes the first layer produced, and the scale."""
-
-    grads: dict[str, Tensor] | None
-    calls: list[str]
-    scaled: int
-    dtypes: set[torch.dtype]
-    scale: float
-    error: str | None = None
+def _scale_after(nonfinite, init_scale, growth_interval):
+    return reference_scale_schedule([*nonfinite, False], init_scale, growth_interval)[1:]
 
 
-def _amp_run(answer: Callable[..., Any]) -> _AmpRun:
-    """Call ``answer`` for every microbatch of the case's window with a recording scaler,
-    then unscale once (unless the answer already did)."""
-    model, window = _amp_case()
-    log = _Log()
-    scaler = _RecordingScaler(log)
-    dtypes: set[torch.dtype] = set()
-    model.net[0].register_forward_hook(lambda m, i, out: dtypes.add(out.dtype))
-    objective = ExampleLoss()
-    total = sum(objective.count(mb) for mb in window)
-    error = None
-    try:
-        for mb in window:
-            answer(model, mb, objective, total, scaler)
-    except NotImplementedError:
-        raise  # a stub: check() reports "not attempted yet"
-    except Exception as exc:  # reported after the calls it made, which explain it better
-        error = f"{type(exc).__name__}: {exc}"
-    calls = list(log.calls)  # the answer's calls only
-    if error or all(p.grad is None for p in model.parameters()) or "scale" not in calls:
-        grads = None if error else _grads(model)
-        return _AmpRun(grads, calls, calls.count("scale"), dtypes, scaler.get_scale(), error)
-    if "unscale_" not in calls:
-        scaler.unscale_(torch.optim.SGD(model.parameters(), lr=0.0))
-    return _AmpRun(_grads(model), calls, calls.count("scale"), dtypes, scaler.get_scale())
+def _never_reset(nonfinite, init_scale, growth_interval):
+    scale, good, used = init_scale, 0, []
+    for inf in nonfinite:
+        used.append(scale)
+        if inf:
+            scale *= 0.5
+        else:
+            good += 1
+            if good % growth_interval == 0:
+                scale *= 2.0
+    return used
 
 
-def _grads(model: nn.Module) -> dict[str, Tensor] | None:
-    if all(p.grad is None for p in model.parameters()):
-        return None
-    return {
-        n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
-        for n, p in model.named_parameters()
-    }
+def _grows_every_window(nonfinite, init_scale, growth_interval):
+    scale, good, used = init_scale, 0, []
+    for inf in nonfinite:
+        used.append(scale)
+        if inf:
+            scale, good = scale * 0.5, 0
+        else:
+            good += 1
+            if good >= growth_interval:
+                scale *= 2.0
+    return used
 
 
-def _mean_per_microbatch(model, microbatch, objective, window_count, scaler):
-    with torch.autocast(device_type="cpu", dtype=torch.float16):
-        loss = objective.loss_sum(model(microbatch["x"]), microbatch) / objective.count(microbatch)
-    scaler.scale(loss / 3).backward()
+_SCHEDULE_MISTAKES = (
+    (
+        _scale_after,
+        "each value is the scale after that window's update(); the question is the scale "
+        "its microbatches were multiplied by, the one before",
+    ),
+    (
+        _never_reset,
+        "a skipped window resets GradScaler's count of applied updates in a row: growth "
+        "needs growth_interval applied updates after the last skip",
+    ),
+    (
+        _grows_every_window,
+        "after the scale grows, the count of applied updates starts again from zero; it "
+        "does not grow again at the next window",
+    ),
+)
 
 
-def _no_division(model, microbatch, objective, window_count, scaler):
-    with torch.autocast(device_type="cpu", dtype=torch.float16):
-        loss = objective.loss_sum(model(microbatch["x"]), microbatch)
-    scaler.scale(loss).backward()
-
-
-def check_amp_microbatch(answer: Callable[..., Any]) -> str | None:
-    """None when ``answer`` leaves the reference's scaled gradient after the window, else
-    what is wrong."""
+def check_scale_schedule(answer: Callable[..., Any]) -> str | None:
+    """None when ``answer`` gives a real GradScaler's scale for every window of every case,
+    else what is wrong (the usual mistake named when it is recognised)."""
     if not callable(answer):
         return f"expected a function, got {type(answer).__name__}"
-    with torch.random.fork_rng(devices=[]):
-        reference_run = _amp_run(reference_amp_microbatch)
-        reference, scale = reference_run.grads, reference_run.scale
-        run = _amp_run(answer)
-        got, dtypes = run.grads, run.dtypes
-        boundary = [c for c in run.calls if c in ("unscale_", "scaler.step", "update")]
-        if boundary:
-            return (
-                f"the answer called {', '.join(sorted(set(boundary)))} inside the microbatch; "
-                "unscale_, step and update belong to the boundary, once after the last "
-                "microbatch (the scale must stay the same for the whole window)"
-            )
-        if run.error is not None:
-            return f"your answer raised {run.error}"
-        if torch.float32 in dtypes or not dtypes:
-            return (
-                "the forward ran in float32: put the forward and the loss inside "
-                'torch.autocast(device_type="cpu", dtype=torch.float16)'
-            )
-        if torch.float16 not in dtypes:
-            return (
-                f"the forward ran in {sorted(map(str, dtypes))}; this window is fp16, the type "
-                "that needs the GradScaler: dtype=torch.float16"
-            )
-        if got is None:
-            return "no gradient reached the weights: call .backward() on the scaled loss"
-        if run.scaled == 0:
-            return (
-                "the loss was never passed through scaler.scale(loss): without it small fp16 "
-                "gradients underflow to zero, and unscale_ at the boundary divides by S anyway"
-            )
-        if compare(reference, got).ok(AMP_RTOL):
-            return None
-        unscaled = {k: v * scale for k, v in got.items()}
-        if compare(reference, unscaled).ok(AMP_RTOL):
-            return (
-                "the gradient is 1/S of the reference: call .backward() on scaler.scale(loss), "
-                "not on the loss itself"
-            )
-        for wrong, message in (
-            (
-                _mean_per_microbatch,
-                "each microbatch was divided by its own count: the average "
-                "of averages; divide every loss_sum by window_count, the window's total",
-            ),
-            (
-                _no_division,
-                "the loss_sum was not divided: divide it by window_count, the window's total count",
-            ),
-        ):
-            if compare(_amp_run(wrong).grads, got).ok(AMP_RTOL):
-                return message
-        model, window = _amp_case()
-        total = sum(ExampleLoss().count(mb) for mb in window)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-        reference_amp_microbatch(model, window[-1], ExampleLoss(), total, scaler)
-        scaler.unscale_(torch.optim.SGD(model.parameters(), lr=0.0))
-        if compare(gradients_of(model), got).ok(AMP_RTOL):
-            return (
-                "only the last microbatch's gradient is left: earlier ones were cleared "
-                "(no zero_grad inside a microbatch; the window adds into .grad)"
-            )
-        return (
-            f"the unscaled window gradient differs from the reference (max relative error "
-            f"{compare(reference, got).max_rel_error:.2g})"
+    for nonfinite, init_scale, growth_interval in _schedule_cases():
+        expected = real_scale_schedule(nonfinite, init_scale, growth_interval)
+        got = answer(list(nonfinite), init_scale, growth_interval)
+        where = (
+            f"for nonfinite={[int(x) for x in nonfinite]}, init_scale={init_scale:g}, "
+            f"growth_interval={growth_interval}"
         )
+        try:
+            got = [float(x) for x in got]
+        except TypeError:
+            return f"{where}: return a list of floats, one scale per window; got {got!r}"
+        if got == expected:
+            continue
+        if len(got) != len(expected):
+            return f"{where}: expected one scale per window ({len(expected)}), got {len(got)}"
+        for wrong, meaning in _SCHEDULE_MISTAKES:
+            if got == wrong(list(nonfinite), init_scale, growth_interval):
+                return f"{where}: {meaning}"
+        return f"{where}: expected {[f'{x:g}' for x in expected]}, got {[f'{x:g}' for x in got]}"
+    return None
 
 
-def gradients_of(model: nn.Module) -> dict[str, Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-amp_microbatch = Exercise(
-    name="amp_microbatch",
-    checker=check_amp_microbatch,
+scale_schedule = Exercise(
+    name="scale_schedule",
+    checker=check_scale_schedule,
     hints=(
-        'with torch.autocast(device_type="cpu", dtype=torch.float16): compute '
-        'output = model(microbatch["x"]) and the loss inside the block.',
-        "The loss of one microbatch is objective.loss_sum(output, microbatch) / window_count: "
-        "the window's count, so the microbatches add up to the window's mean.",
-        "Backpropagate scaler.scale(loss), outside or inside autocast (both work); nothing "
-        "else: unscale_, step and update wait for the boundary.",
+        "Walk through the windows keeping two numbers: the current scale and how many "
+        "applied updates in a row there have been. Record the scale before changing it.",
+        "A window with nonfinite True halves the scale and sets the count to 0.",
+        "Any other window adds 1 to the count; when the count reaches growth_interval the "
+        "scale doubles and the count goes back to 0.",
     ),
-    reference=inspect.getsource(reference_amp_microbatch),
+    reference=inspect.getsource(reference_scale_schedule),
 )
+
+
+# ----------------------------------------------------------------------------- predict first
+
+cpu_softmax_dtype = choice_prediction(
+    __name__,
+    "cpu_softmax_dtype",
+    "torch.bfloat16",
+    choices=("torch.float32", "torch.bfloat16"),
+    mistakes={
+        "torch.float32": "that is CUDA autocast's rule (softmax runs in float32 there); CPU "
+        "autocast has its own, shorter list and leaves softmax in bf16",
+    },
+    hints=("The lists of operations autocast changes differ between CUDA and CPU.",),
+    reasoning="CPU autocast casts matrix products to bf16 and promotes a few operations "
+    "(cross_entropy among them) to float32; softmax and layer_norm of a bf16 input stay bf16. "
+    "CUDA autocast runs softmax and layer_norm in float32.",
+)
+
+#: 2**-24, fp16's smallest value above zero: what 4e-8 rounds to.
+FP16_OF_4E_8 = 2.0**-24
+
+fp16_of_4e_8 = number_prediction(
+    __name__,
+    "fp16_of_4e_8",
+    FP16_OF_4E_8,
+    what="float(torch.tensor(4e-8).half()), 6 significant digits are enough",
+    mistakes={
+        0: "what happens below about 3e-8 (half of the smallest subnormal); 4e-8 is nearer "
+        "to 5.96e-8 than to 0, and fp16 rounds to the nearest value",
+        4e-8: "not an fp16 value: between 0 and 5.96e-8 fp16 has nothing",
+    },
+    hints=(
+        "fp16's smallest value above zero is 2**-24 ≈ 5.96e-8, and a cast rounds to the nearest.",
+    ),
+    reasoning="Below 2**-25 ≈ 2.98e-8 a value rounds to 0; from there to 2**-24 ≈ 5.96e-8 it "
+    "rounds up to 2**-24, the smallest subnormal.",
+)
+
+#: AdamW's step count after three windows with the middle one skipped (notebook 03 §5).
+ADAMW_STEPS_AFTER_SKIP = 2
+
+adamw_steps_after_skip = number_prediction(
+    __name__,
+    "adamw_steps_after_skip",
+    ADAMW_STEPS_AFTER_SKIP,
+    what="AdamW's step count after three fp16 windows, the middle one with an inf gradient",
+    mistakes={
+        3: "the number of update attempts; a skipped attempt makes no optimizer.step() call, "
+        "so AdamW's count does not move",
+        1: "only the first window; the third one applies normally",
+    },
+    hints=("scaler.step(optimizer) calls optimizer.step() only when the gradient is finite.",),
+    reasoning="Windows 0 and 2 apply an update (optimizer.step() runs), window 1 is skipped: "
+    "AdamW's step count is 2 while the ledger counts 3 attempts.",
+)
+
+__all__ = [
+    "adamw_steps_after_skip",
+    "cpu_softmax_dtype",
+    "fp16_of_4e_8",
+    "real_scale_schedule",
+    "reference_scale_schedule",
+    "reference_window_boundary",
+    "scale_schedule",
+    "window_boundary",
+]

@@ -13,22 +13,28 @@ The checker compares the answer with :func:`accumlab.distributed.window_lengths`
 and random cases and names the usual mistakes: ranks that stop early, padding every
 window up to ``A``, padding counted from the wrong side.
 
-- ``ddp_window``: write one update from one window under DDP by hand,
-  ``ddp_window(model, window, optimizer, objective) -> None``. ``model`` is wrapped in
-  ``DistributedDataParallel``, ``window`` is this rank's list of microbatches (CPU dicts
-  with ``input_ids`` and ``labels``), ``objective`` a ``NextTokenLoss``. Clear the
-  gradients, sum the window's target count over all ranks (one all-reduce), backpropagate
-  every microbatch's ``loss_sum × D / global_count`` with ``no_sync`` around the forward
-  and the backward of all but the last microbatch, step once.
+- ``uneven_window`` (transfer): write one update attempt from one window under DDP when
+  some ranks have no targets, ``uneven_window(model, window, optimizer, objective) ->
+  bool``. ``model`` is wrapped in ``DistributedDataParallel`` (call it as
+  ``model(input_ids=mb["input_ids"]).logits``), ``window`` is this rank's list of
+  microbatches (CPU dicts with ``input_ids`` and ``labels``), ``objective`` a
+  ``NextTokenLoss`` (``objective.count(mb)``, ``objective.loss_sum(logits, mb)``). Some of a
+  rank's windows have no targets (every label -100), and one window has none on any rank.
+  Return True when the update was applied. A window with targets somewhere must give the
+  single-process token mean over every rank's targets with one gradient sync; a window
+  without targets anywhere makes no update and returns False. Clear the gradients before
+  the first backward and after the step.
 
-The checker launches two gloo ranks (about ten seconds) with uneven data, runs the
-answer for two windows on a DDP model whose communication hook counts the gradient
-synchronizations and an optimizer that records the gradient it is handed, and compares
-each window's gradient with the single-process token mean over both ranks' examples. It
-names the usual mistakes: no ``× D`` (half the gradient on two ranks), a per-rank count
-(the average of averages), ``no_sync`` missing or around the backward only (``A``
-synchronizations per window), the last microbatch inside ``no_sync`` (none), a step per
-microbatch, gradients carried into the next window.
+The checker launches two gloo ranks (about ten seconds) with uneven data for three
+windows: both ranks with targets; rank 0 without; no rank with any. A DDP communication
+hook counts the gradient synchronizations and an optimizer records the gradient it is
+handed; each window's gradient is compared with the single-process token mean over both
+ranks' targets. It names the usual mistakes: no ``× D`` (half the gradient on two ranks),
+a per-rank count (the average of averages), a rank
+without targets that skips its backward (its peer's all-reduce has no partner), an update
+or a division by zero in the window without targets, ``no_sync`` missing or around the
+backward only (``A`` synchronizations per window), the last microbatch inside ``no_sync``
+(none), a step per microbatch, gradients carried into the next window.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from ...distributed import launch, trained_lengths, window_lengths
 from ...plan import AccumulationPlan
 from .. import workers
 from . import Exercise
+from .predictions import number_prediction
 
 
 def reference_padding_plan(
@@ -146,46 +153,50 @@ padding_plan = Exercise(
 )
 
 
-# ----------------------------------------------------------------------------- ddp_window
+# ----------------------------------------------------------------------------- uneven_window
 
 
-def reference_ddp_window(model, window, optimizer, objective):
-    """One update from this rank's ``window`` under DDP."""
+def reference_uneven_window(model, window, optimizer, objective):
+    """One update attempt from this rank's ``window`` under DDP; True if applied."""
     optimizer.zero_grad(set_to_none=True)
     world = dist.get_world_size()  # D
-    count = torch.tensor(sum(objective.count(mb) for mb in window))
+    count = torch.tensor(sum(objective.count(mb) for mb in window))  # on the CPU
     dist.all_reduce(count, op=dist.ReduceOp.SUM)  # the window's targets over all ranks
-    for i, mb in enumerate(window):
+    if count == 0:  # the same answer on every rank: all of them skip together
+        return False
+    for i, mb in enumerate(window):  # every rank runs every microbatch, targets or not
         last = i == len(window) - 1
-        with contextlib.nullcontext() if last else model.no_sync():  # forward AND backward
+        with contextlib.nullcontext() if last else model.no_sync():  # the forward decides
             logits = model(input_ids=mb["input_ids"]).logits
             (objective.loss_sum(logits, mb) * world / count).backward()  # × D: DDP averages
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return True
 
 
 #: Relative tolerance on a window's gradient against the single-process full batch.
 DDP_RTOL = 1e-5
-#: Windows of ``A`` microbatches of ``M`` examples per rank that the checker runs.
-M, A, WINDOWS = 2, 2, 2
+#: ``A`` microbatches of ``M`` examples per rank and window; which ranks have no targets.
+M, A, NO_TARGETS = 2, 2, workers.NO_TARGETS
+#: What the reference returns per window.
+APPLIED = [any(r not in empty for r in range(2)) for empty in NO_TARGETS]
 
 
-def _references() -> list[dict[str, dict[str, Tensor]]]:
-    """Per window: the right gradient and the two usual wrong ones, at the initial weights."""
-    per_rank = workers.uneven_examples(2)
-    per_window = M * A
-    out = []
-    for w in range(WINDOWS):
-        parts = [exs[w * per_window : (w + 1) * per_window] for exs in per_rank]
+def _references() -> list[dict[str, dict[str, Tensor]] | None]:
+    """Per window with targets: the right gradient and the usual wrong ones, at the
+    initial weights (None for the window without targets)."""
+    out: list[dict[str, dict[str, Tensor]] | None] = []
+    for w, empty in enumerate(NO_TARGETS):
+        parts = [[] if r in empty else workers.window_examples(r, 2, w, M, A) for r in range(2)]
+        if not any(parts):
+            out.append(None)
+            continue
         right = workers.token_mean_gradient(workers.small_model(), [e for p in parts for e in p])
-        means = [workers.token_mean_gradient(workers.small_model(), p) for p in parts]
-        out.append(
-            {
-                "right": right,
-                "no × D": {k: v / 2 for k, v in right.items()},
-                "local count": {k: (means[0][k] + means[1][k]) / 2 for k in right},
-            }
-        )
+        wrong = {"right": right, "no × D": {k: v / 2 for k, v in right.items()}}
+        if all(parts):
+            means = [workers.token_mean_gradient(workers.small_model(), p) for p in parts]
+            wrong["local count"] = {k: (means[0][k] + means[1][k]) / 2 for k in right}
+        out.append(wrong)
     return out
 
 
@@ -193,47 +204,81 @@ def _close(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> bool:
     return compare(a, b).max_rel_error <= DDP_RTOL
 
 
-def _diagnose_window(results: list[dict[str, Any]], references: list[dict[str, Any]]) -> str | None:
+def _diagnose_counts(results: list[dict[str, Any]]) -> str | None:
+    """Mistakes visible in the counted syncs and steps of both ranks, or None."""
+    for w, empty in enumerate(NO_TARGETS):
+        nothing_anywhere = len(empty) == 2
+        for rank, result in enumerate(results):
+            steps, syncs = result["steps"][w], result["syncs"][w]
+            if nothing_anywhere:
+                if steps:
+                    return (
+                        f"window {w} has no targets on any rank, yet optimizer.step() ran: "
+                        "when the all-reduced count is 0, return False before any forward "
+                        "(dividing by it gives nan)"
+                    )
+                if syncs:
+                    return (
+                        f"window {w} has no targets on any rank, yet it ran forward and "
+                        "backward passes: return False as soon as the all-reduced count is 0"
+                    )
+                continue
+            if rank in empty and syncs == 0 and results[1 - rank]["syncs"][w] > 0:
+                return (
+                    f"window {w}: rank {rank} has no targets and ran no backward, so its peer's "
+                    "gradient all-reduce had no partner: a rank without targets still runs "
+                    "every forward and backward (its loss is 0), as a padding microbatch does"
+                )
+            if steps == 0:
+                return (
+                    f"window {w}: optimizer.step() was never called on rank {rank}; step "
+                    "once after the last microbatch when the window has targets somewhere"
+                )
+            if steps > 1:
+                return (
+                    f"window {w}: optimizer.step() ran {steps} times; step once per window, "
+                    f"after the last microbatch ({A} backward passes feed one update)"
+                )
+            if syncs == A:
+                return (
+                    f"{A} gradient synchronizations in a window of {A} microbatches, expected "
+                    "1: put every microbatch but the last inside model.no_sync(); DDP reads "
+                    "the flag in the forward, so no_sync around the backward alone does nothing"
+                )
+            if syncs == 0:
+                return (
+                    "no gradient synchronization at all: the last microbatch must run outside "
+                    "no_sync, so its backward all-reduces the accumulated gradient"
+                )
+            if syncs != 1:
+                return f"{syncs} gradient synchronizations in window {w}, expected exactly 1"
+    return None
+
+
+def _diagnose_window(results: list[dict[str, Any]], references: list[Any]) -> str | None:
     """What is wrong with the answer's run (both ranks' results), or None."""
-    rank0, rank1 = results
-    for w in range(WINDOWS):
-        steps, syncs = rank0["steps"][w], rank0["syncs"][w]
-        if steps == 0:
-            return f"window {w}: optimizer.step() was never called; step once after the last microbatch"
-        if steps > 1:
-            return (
-                f"window {w}: optimizer.step() ran {steps} times; step once per window, after "
-                "the last microbatch (A backward passes feed one update)"
-            )
-        if syncs == A:
-            return (
-                f"{A} gradient synchronizations in a window of {A} microbatches, expected 1: "
-                "put every microbatch but the last inside model.no_sync(), forward AND "
-                "backward (DDP decides at forward time, so no_sync around the backward "
-                "alone does nothing)"
-            )
-        if syncs == 0:
-            return (
-                "no gradient synchronization at all: the last microbatch must run outside "
-                "no_sync, so its backward all-reduces the accumulated gradient"
-            )
-        if syncs != 1:
-            return f"{syncs} gradient synchronizations in window {w}, expected exactly 1"
-    for w in range(WINDOWS):
-        got, ref = rank0["seen"][w], references[w]
+    problem = _diagnose_counts(results)
+    if problem is not None:
+        return problem
+    seen = results[0]["seen"]  # one recorded gradient per window with targets
+    for k, (w, ref) in enumerate((w, r) for w, r in enumerate(references) if r is not None):
+        got = seen[k]
         if _close(ref["right"], got):
             continue
-        if w > 0 and _close({k: ref["right"][k] + references[w - 1]["right"][k] for k in got}, got):
-            return (
-                f"window {w}'s gradient still holds window {w - 1}'s: clear the gradients "
-                "(optimizer.zero_grad()) before the window's first backward"
-            )
+        previous = next((r for r in reversed(references[:w]) if r is not None), None)
+        if previous is not None:
+            carried = {k2: ref["right"][k2] + previous["right"][k2] for k2 in got}
+            if _close(carried, got):
+                return (
+                    f"window {w}'s gradient still holds the previous window's: clear the "
+                    "gradients (optimizer.zero_grad()) before the window's first backward"
+                )
         if _close(ref["no × D"], got):
             return (
                 "the gradient is 1/2 of the full batch's with 2 ranks: DDP averages over the "
                 "D ranks, so multiply each loss_sum by D (dist.get_world_size()) / global count"
             )
-        if _close(ref["local count"], got):
+        if "local count" in ref and _close(ref["local count"], got):
             return (
                 "each rank divided by its own target count, and DDP averaged the two means "
                 "(the average of averages): all-reduce the count so every rank divides by the "
@@ -244,8 +289,17 @@ def _diagnose_window(results: list[dict[str, Any]], references: list[dict[str, A
             f"window {w}: the gradient differs from the single-process full batch over both "
             f"ranks (max relative error {error:.2g}); backpropagate loss_sum × D / global count"
         )
-    if any(rank0["grads_left"]) or any(rank1["grads_left"]):
-        return "gradients are left after the update; clear them after optimizer.step()"
+    for rank, result in enumerate(results):
+        returned = result["returned"]
+        if any(not isinstance(x, bool) for x in returned):
+            return f"return True or False (was the update applied?), got {returned} on rank {rank}"
+        if returned != APPLIED:
+            return (
+                f"rank {rank} returned {returned} for the three windows, expected {APPLIED}: "
+                "True when the update was applied, False for the window without targets"
+            )
+        if any(result["grads_left"]):
+            return "gradients are left after the update; clear them after optimizer.step()"
     return None
 
 
@@ -260,11 +314,18 @@ def _run(answers: Sequence[Callable[..., Any]]) -> list[list[dict[str, Any]] | s
             sources.append(None)
     runnable = [s for s in sources if s is not None]
     try:
-        per_rank = launch(workers.run_window_answers, 2, (runnable, M, A, WINDOWS), deadline_s=180)
+        per_rank = launch(
+            workers.run_window_answers, 2, (runnable, M, A, NO_TARGETS), timeout_s=20,
+            deadline_s=180,
+        )  # fmt: skip
     except Exception as exc:  # the learner's code failed on a rank: report it
-        return [f"your answer raised {type(exc).__name__}: {str(exc).splitlines()[0]}"] * len(
-            answers
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        hint = (
+            " (the ranks' collectives did not pair up: every rank must make the same calls "
+            "in every window; a rank without targets still runs its forward and backward "
+            "passes)"
         )
+        return [f"your answer raised {type(exc).__name__}: {first[:300]}{hint}"] * len(answers)
     out: list[list[dict[str, Any]] | str] = []
     k = 0
     for s in sources:
@@ -278,8 +339,10 @@ def _run(answers: Sequence[Callable[..., Any]]) -> list[list[dict[str, Any]] | s
     return out
 
 
-def diagnose_ddp_windows(answers: Sequence[Callable[..., Any]]) -> list[str | None]:
-    """Check several answers with one launch (what the tests use); None for a right one."""
+def diagnose_uneven_windows(answers: Sequence[Callable[..., Any]]) -> list[str | None]:
+    """Check several answers with one launch (what the tests use); None for a right one.
+    An answer whose ranks make different collective calls breaks the whole launch: check
+    such an answer on its own."""
     references = _references()
     verdicts: list[str | None] = []
     for result in _run(answers):
@@ -318,29 +381,82 @@ def _is_stub(answer: Callable[..., Any]) -> bool:
     return len(body) == 1 and empty(body[0])
 
 
-def check_ddp_window(answer: Callable[..., Any]) -> str | None:
-    """None when ``answer`` makes the full-batch update with one sync per window, else why
-    not. A stub raises ``NotImplementedError`` here, before any rank is launched."""
+def check_uneven_window(answer: Callable[..., Any]) -> str | None:
+    """None when ``answer`` makes the full-batch update with one sync per window and skips
+    the window without targets on every rank, else why not. A stub raises
+    ``NotImplementedError`` here, before any rank is launched."""
     if not callable(answer):
         return f"expected a function, got {type(answer).__name__}"
     if _is_stub(answer):
         raise NotImplementedError
-    verdict = diagnose_ddp_windows([answer])[0]
+    verdict = diagnose_uneven_windows([answer])[0]
     if verdict is not None and verdict.startswith("your answer raised NotImplementedError"):
         raise NotImplementedError
     return verdict
 
 
-ddp_window = Exercise(
-    name="ddp_window",
-    checker=check_ddp_window,
+uneven_window = Exercise(
+    name="uneven_window",
+    checker=check_uneven_window,
     hints=(
-        "Start with optimizer.zero_grad(); count the window's targets on the CPU, put them "
-        "in a tensor and dist.all_reduce it (a sum over ranks).",
-        "For every microbatch but the last: with model.no_sync(): forward AND backward. "
-        "The last one runs outside, so its backward synchronizes once.",
-        "Backpropagate objective.loss_sum(logits, mb) * dist.get_world_size() / count: DDP "
-        "divides the summed gradient by D, the × D cancels it. Then optimizer.step() once.",
+        "Count the window's targets on the CPU, put the number in a tensor and "
+        "dist.all_reduce it: every rank then holds the same total, so every rank takes "
+        "the same branch.",
+        "A total of 0: return False at once, on every rank. Otherwise every rank runs every "
+        "microbatch, also a rank whose own count is 0 (its loss_sum is 0, its backward adds "
+        "nothing, but DDP's all-reduce needs it).",
+        "Per microbatch: no_sync around the forward and backward of all but the last; "
+        "backpropagate objective.loss_sum(logits, mb) * dist.get_world_size() / total. "
+        "Then optimizer.step(), optimizer.zero_grad(), return True.",
     ),
-    reference=inspect.getsource(reference_ddp_window),
+    reference=inspect.getsource(reference_uneven_window),
 )
+
+
+# ----------------------------------------------------------------------------- predict first
+
+#: Notebook 04 §1: S = (40, 270), N = (10, 90); each rank divides by its own count and
+#: DDP averages the two means.
+LOCAL_COUNT_MEAN = (40 / 10 + 270 / 90) / 2
+
+local_count_mean = number_prediction(
+    __name__,
+    "local_count_mean",
+    LOCAL_COUNT_MEAN,
+    what="DDP's mean of 40/10 and 270/90, the loss a per-rank count gives",
+    mistakes={
+        310 / 100: "the true window mean (310 / 100), which × D / global count gives; a "
+        "per-rank count weights rank 0's 10 targets like rank 1's 90",
+        310 / 100 / 2: "what / global count without × D gives",
+    },
+    hints=("Rank 0's mean is 40/10, rank 1's is 270/90; DDP averages what the ranks hold.",),
+    reasoning="(4.0 + 3.0) / 2 = 3.5, while the window's token mean is 310 / 100 = 3.1.",
+)
+
+#: Notebook 04 §2: syncs per window with no_sync around the forward only (A = 4).
+SYNCS_FORWARD_ONLY = 1
+
+syncs_forward_only = number_prediction(
+    __name__,
+    "syncs_forward_only",
+    SYNCS_FORWARD_ONLY,
+    what="gradient syncs per window of A = 4 with no_sync around the forwards only",
+    mistakes={
+        4: "what no no_sync at all gives; but DDP decides in the forward whether the next "
+        "backward all-reduces, so a forward inside no_sync is enough",
+        0: "the last microbatch runs outside no_sync, so it synchronizes once",
+    },
+    hints=("Which call reads model.no_sync()'s flag: the forward or the backward?",),
+    reasoning="DDP reads the flag in the forward, where it prepares (or not) the reducer for "
+    "the backward: forwards 1..A-1 inside no_sync mean their backwards do not all-reduce, "
+    "wherever the backward runs. Only the last microbatch syncs: 1.",
+)
+
+__all__ = [
+    "local_count_mean",
+    "padding_plan",
+    "reference_padding_plan",
+    "reference_uneven_window",
+    "syncs_forward_only",
+    "uneven_window",
+]
