@@ -315,17 +315,22 @@ def build(out: Path = OUT, work: Path | None = None, quiet: bool = True) -> floa
     ``work`` holds the sources and Sphinx's cache (default: build/site-src, build/site-doctrees)."""
     start = time.perf_counter()
     src, doctrees = (BUILD_SRC, DOCTREES) if work is None else (work / "src", work / "doctrees")
+    # Sphinx writes into html/ inside the work folder, then the result is copied to `out`:
+    # myst-nb puts its image folder (jupyter_execute/) beside Sphinx's output folder, which
+    # must not be the repository root.
+    html = doctrees.parent / "site-html" / "html"
     assemble(src)
-    for stale in (out, doctrees):
+    for stale in (out, doctrees, html.parent):
         if stale.exists():
             shutil.rmtree(stale)
     cmd = [
         sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-E",
-        "-c", str(SITE_SOURCES), "-d", str(doctrees), str(src), str(out),
+        "-c", str(SITE_SOURCES), "-d", str(doctrees), str(src), str(html),
     ]  # fmt: skip
     if quiet:
         cmd.insert(3, "-q")
     subprocess.run(cmd, check=True)
+    shutil.copytree(html, out)
     return time.perf_counter() - start
 
 
