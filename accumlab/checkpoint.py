@@ -186,7 +186,8 @@ def _feed(digest: Any, value: Any) -> None:
     """Add ``value`` (tensors and plain data, nested) to ``digest`` in a form that does not
     depend on how it was stored: a tensor's dtype, shape and bytes; containers item by item."""
     if isinstance(value, torch.Tensor):
-        flat = value.detach().to("cpu").contiguous().reshape(-1)
+        local = value.to_local() if callable(getattr(value, "to_local", None)) else value
+        flat = local.detach().to("cpu").contiguous().reshape(-1)  # a DTensor: this rank's shard
         digest.update(f"T{flat.dtype}{list(value.shape)}:".encode())
         digest.update(flat.view(torch.uint8).numpy().data)
     elif isinstance(value, Mapping):

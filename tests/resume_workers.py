@@ -52,6 +52,7 @@ class Config:
     seed: int = 0
     data_seed: int = 1
     epochs: int = 0  # > 0: that many epochs of a shuffled DataLoader over the data's examples
+    wrapper: str = "ddp"  # in a process group: "ddp" (DistributedDataParallel) or "fsdp2"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -85,7 +86,12 @@ def build(config: Config, rank: int = 0) -> dict[str, Any]:
     torch.manual_seed(1000 + rank)
     random.seed(1000 + rank)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        model = DistributedDataParallel(model)
+        if config.wrapper == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            model = fully_shard(model)
+        else:
+            model = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     scheduler = (
         torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0 / (1.0 + 0.25 * update))
@@ -148,6 +154,8 @@ def train(run: dict[str, Any], config: Config, batches: Any = None, **kwargs: An
 def _plain(value: Any) -> Any:
     """A detached CPU copy of nested state (tensors cloned), for comparing two runs."""
     if isinstance(value, Tensor):
+        if callable(getattr(value, "to_local", None)):  # an FSDP2 DTensor: this rank's shard
+            value = value.to_local()
         return value.detach().cpu().clone()
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
@@ -248,6 +256,15 @@ def two_rank_resume(directory: str) -> dict[str, Any]:
         ledger = train(second, config, data(second), checkpoint_dir=where, resume=True)
         results[mode] = {"straight": straight, "resumed": snapshot(second, ledger), "agreed": agreed}
     return results
+
+
+def two_rank_fsdp2_resume(directory: str) -> dict[str, Any]:
+    """Two FSDP2 ranks (``fully_shard``; uneven data, dropout, three checkpoints written)
+    interrupted after 2 attempts and resumed: this rank's snapshots, straight and resumed
+    (each rank compares its own shards of the weights and optimizer state)."""
+    rank = torch.distributed.get_rank()
+    config = Config(microbatches=7 - 2 * rank, dropout=0.2, wrapper="fsdp2")
+    return straight_and_resumed(config, directory, 2, None, rank)
 
 
 def two_rank_fallback(directory: str) -> dict[str, Any]:

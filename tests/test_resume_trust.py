@@ -227,12 +227,23 @@ def test_two_ranks_fall_back_together_when_one_rank_cannot_read_its_newest(tmp_p
     import accumlab as al
 
     ranks = al.distributed.launch(workers.two_rank_fallback, 2, (str(tmp_path),), deadline_s=120)
-    for rank, result in enumerate(ranks):
+    for result in ranks:
         assert workers.mismatches(result["straight"], result["resumed"]) == []
         assert len(result["warnings"]) == 1
         assert result["newest"] == 4  # trained on from 3, and wrote 4 again
     assert "checkpoint-00000004-rank0.pt is not intact" in ranks[0]["warnings"][0]
     assert "checkpoint-00000004-rank1.pt is intact, but rank(s) [0] cannot read theirs" in ranks[1]["warnings"][0]
+
+
+@pytest.mark.distributed
+def test_two_fsdp2_ranks_resume_bit_identical(tmp_path: Path) -> None:
+    """The checksum covers each rank's shards (DTensors) of the weights and optimizer state."""
+    import accumlab as al
+
+    ranks = al.distributed.launch(workers.two_rank_fsdp2_resume, 2, (str(tmp_path),), deadline_s=120)
+    for result in ranks:
+        assert workers.mismatches(result["straight"], result["resumed"]) == []
+        assert result["resumed"]["ledger"]["update_attempts"] == 4
 
 
 def test_no_intact_checkpoint_is_one_error_naming_the_files(tmp_path: Path) -> None:
