@@ -5,6 +5,11 @@ the numbers; the ``plot_*`` functions draw them on an Axes and return it, so a n
 can add to the figure and a test can read the drawn data back under the Agg backend
 without a display. Every helper draws on ``ax`` (or ``axes``) when given, else on a new
 figure.
+
+The window's timeline is recorded, not drawn by hand: :class:`WindowRecorder` hooks a
+real run (forward, backward, DDP gradient sync, unscale, check, clip, step, clear) and
+keeps its events in order; :func:`record_window` records one ``train_window`` call;
+:func:`timeline_boxes` lays the events out and :func:`plot_window_timeline` draws them.
 """
 
 from __future__ import annotations
