@@ -279,7 +279,7 @@ def test_resumed_run_records_the_first_runs_initial_scale(tmp_path: Path) -> Non
 # ----------------------------------------------------------------- the kill test
 
 
-KILLS = 3
+KILLS = 5
 
 
 def test_a_loop_of_sigkills_over_shuffled_epochs_with_dropout_resumes_bit_identical(tmp_path: Path) -> None:
