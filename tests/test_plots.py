@@ -306,6 +306,29 @@ def test_recorder_sees_a_hand_written_skip_and_restores_everything():
     assert len(rec.events) == n
 
 
+def test_recorder_undoes_a_failed_start(monkeypatch):
+    import torch
+
+    import accumlab.loop as loop
+
+    model, _, optimizer = _mlp_window()
+    original = loop.total_grad_norm
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no hooks today")
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", refuse)  # wrapped, not called
+    monkeypatch.setattr(type(optimizer), "register_step_post_hook", refuse)
+    with pytest.raises(RuntimeError, match="no hooks today"):
+        WindowRecorder(model, optimizer).__enter__()
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert loop.total_grad_norm is original and "zero_grad" not in vars(optimizer)
+    monkeypatch.undo()
+    with WindowRecorder(model, optimizer) as rec:  # a failed start leaves no recorder active
+        model(torch.ones(1, 6)).sum().backward()
+    assert [e.kind for e in rec.events] == ["forward", "backward"]
+
+
 def test_recorder_rejects_bad_arguments():
     import torch
 

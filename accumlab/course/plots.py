@@ -443,6 +443,18 @@ class WindowRecorder:
         self._undo.append(undo)
 
     def __enter__(self) -> WindowRecorder:
+        if WindowRecorder._active:
+            raise RuntimeError("a WindowRecorder is already recording; nest none")
+        WindowRecorder._active = True
+        try:
+            self._install()
+        except BaseException:
+            self.__exit__()  # undo what was installed before the failure
+            raise
+        return self
+
+    def _install(self) -> None:
+        """Register the hooks and wrappers (``__enter__``), each with its undo step."""
         import time
 
         import torch
@@ -451,9 +463,6 @@ class WindowRecorder:
         from .. import loop
         from ..parallel import unwrap
 
-        if WindowRecorder._active:
-            raise RuntimeError("a WindowRecorder is already recording; nest none")
-        WindowRecorder._active = True
         model = self.model
 
         def pre(module: Any, args: Any) -> None:
@@ -463,7 +472,9 @@ class WindowRecorder:
         def post(module: Any, args: Any, output: Any) -> None:
             self._add("forward", self._open.pop("forward"), self._microbatch())
 
-        handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
+        hook = self._undo.append  # each registration's remove, at once
+        hook(model.register_forward_pre_hook(pre).remove)
+        hook(model.register_forward_hook(post).remove)
         params = [p for p in model.parameters() if p.requires_grad]
         if params:
 
@@ -474,8 +485,8 @@ class WindowRecorder:
                 self._add("backward", self._open.pop("backward"), self._microbatch())
 
             graph = torch.autograd.graph
-            handles.append(graph.register_multi_grad_hook(params, first, mode="any"))
-            handles.append(graph.register_multi_grad_hook(params, last, mode="all"))
+            hook(graph.register_multi_grad_hook(params, first, mode="any").remove)
+            hook(graph.register_multi_grad_hook(params, last, mode="all").remove)
 
         def step_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
             self._open["step"] = time.perf_counter()
@@ -484,9 +495,8 @@ class WindowRecorder:
             self._stepped = True
             self._add("step", self._open.pop("step"))
 
-        handles.append(self.optimizer.register_step_pre_hook(step_pre))
-        handles.append(self.optimizer.register_step_post_hook(step_post))
-        self._undo.extend(h.remove for h in handles)
+        hook(self.optimizer.register_step_pre_hook(step_pre).remove)
+        hook(self.optimizer.register_step_post_hook(step_post).remove)
         self._wrap(self.optimizer, "zero_grad", "clear", instance=True)
         if self.scaler is not None:
             self._wrap(self.scaler, "unscale_", "unscale", instance=True)
@@ -504,7 +514,6 @@ class WindowRecorder:
                 inner._accumlab_recorder_state = state
             state.recorder = self
             self._undo.append(lambda: setattr(state, "recorder", None))
-        return self
 
     def __exit__(self, *exc: object) -> None:
         while self._undo:
