@@ -268,8 +268,8 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     except CorruptCheckpointError:
         raise
     except Exception as exc:  # a cut or damaged file fails in many ways inside torch.load
-        first_line = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise corrupt(f"it cannot be read ({type(exc).__name__}: {first_line})") from exc
+        first = (str(exc).strip().splitlines() or [""])[0].split(". ")[0][:160]
+        raise corrupt(f"it is cut short or damaged ({type(exc).__name__}: {first})") from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise corrupt(f"it is not an accumlab checkpoint of format {FORMAT} (found {found!r})")
@@ -327,8 +327,8 @@ def load_newest_intact(directory: str | os.PathLike[str]) -> tuple[int, dict[str
     """``(update attempts, state)`` of the newest checkpoint every rank has and every
     rank can read intact (:func:`load_checkpoint`); ``None`` when there is none yet.
 
-    A newer one that some rank cannot read is skipped with a warning naming the file and
-    why, and all ranks move to the previous one together (one small all-reduce per
+    A newer one that some rank cannot read is skipped with a warning naming the file, why,
+    and the checkpoint resumed from instead; all ranks move to the previous one together (one small all-reduce per
     checkpoint tried), so they load the same update. If every shared checkpoint is
     damaged: :class:`CorruptCheckpointError` naming the files, on every rank.
     """
@@ -342,10 +342,10 @@ def load_newest_intact(directory: str | os.PathLike[str]) -> tuple[int, dict[str
             state, why = None, str(exc)
         bad = [r for r, row in enumerate(distributed.gather_counts([bool(why)])) if row[0]]
         if not bad:
+            for reason in skipped:
+                warnings.warn(f"{reason}; resuming from {path.name} instead", UserWarning, stacklevel=3)
             return attempts, state  # type: ignore[return-value]
-        why = why or f"checkpoint {path} is intact, but rank(s) {bad} cannot read theirs"
-        warnings.warn(f"{why}; resuming from the one before it instead", UserWarning, stacklevel=3)
-        skipped.append(why)
+        skipped.append(why or f"checkpoint {path} is intact, but rank(s) {bad} cannot read theirs")
     if skipped:
         raise CorruptCheckpointError(
             f"no intact checkpoint in {os.fspath(directory)}: " + "; ".join(skipped)

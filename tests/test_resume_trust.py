@@ -216,7 +216,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(damage: str,
     else:
         _cut(newest, 0.0 if damage == "zero bytes" else float(damage.split()[-1][:-1]) / 100)
     second = workers.build(config)
-    with pytest.warns(UserWarning, match=r"checkpoint-00000003-rank0.pt .* resuming from the one before") as caught:
+    with pytest.warns(UserWarning, match=r"checkpoint-00000003-rank0.pt is not intact: .*; resuming from checkpoint-00000002-rank0.pt instead") as caught:
         ledger = workers.train(second, config, checkpoint_dir=tmp_path, resume=True)
     print(f"{damage}: {caught[0].message}")
     assert workers.mismatches(straight, workers.snapshot(second, ledger)) == []
@@ -253,7 +253,7 @@ def test_no_intact_checkpoint_is_one_error_naming_the_files(tmp_path: Path) -> N
         _cut(checkpoint.checkpoint_path(tmp_path, attempts), 0.5)
     run = workers.build(config)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("error")  # one error, no warnings before it
         with pytest.raises(checkpoint.CorruptCheckpointError, match="no intact checkpoint") as info:
             workers.train(run, config, checkpoint_dir=tmp_path, resume=True)
     assert "checkpoint-00000003-rank0.pt" in str(info.value) and "checkpoint-00000002-rank0.pt" in str(info.value)
