@@ -106,24 +106,33 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned. CUDA states are restored for the devices
-    present in both (all of them when the device count is unchanged)."""
-    torch.set_rng_state(state["torch"])
+    """Restore what :func:`rng_state` returned, or the part of it ``state`` holds. CUDA
+    states are restored for the devices present in both (all of them when the device
+    count is unchanged)."""
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available():
         for device, device_state in enumerate(cuda[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(device_state, device)
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
 
 
-def same_rng_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether two results of :func:`rng_state` hold the same states (nothing drew between)."""
-    if not torch.equal(a["torch"], b["torch"]) or a["python"] != b["python"]:
-        return False
-    if a["cuda"] is None or b["cuda"] is None:
-        return a["cuda"] is None and b["cuda"] is None
-    return len(a["cuda"]) == len(b["cuda"]) and all(map(torch.equal, a["cuda"], b["cuda"]))
+def changed_generators(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The generators (keys of :func:`rng_state`) whose state differs between two of its
+    results: those something drew from in between."""
+    cuda_same = (before["cuda"] is None) == (after["cuda"] is None) and (
+        before["cuda"] is None
+        or (len(before["cuda"]) == len(after["cuda"]) and all(map(torch.equal, before["cuda"], after["cuda"])))
+    )
+    same = {
+        "torch": torch.equal(before["torch"], after["torch"]),
+        "cuda": cuda_same,
+        "python": before["python"] == after["python"],
+    }
+    return [name for name, unchanged in same.items() if not unchanged]
 
 
 # ---------------------------------------------------------------------------- files
@@ -694,9 +703,10 @@ class Checkpointer:
             return next(source, None)
         before = rng_state()
         window = next(source, None)
-        if window is not None and not same_rng_state(before, rng_state()):
+        drawn = changed_generators(before, rng_state()) if window is not None else []
+        if drawn:
             if len(self._draws) < MAX_RNG_DRAWS:
-                self._draws[index] = before
+                self._draws[index] = {name: before[name] for name in drawn}  # ~5 KB for torch
             elif self._draws_full_at is None:
                 self._draws_full_at = index
                 warnings.warn(

@@ -55,6 +55,27 @@ def test_every_interruption_point_of_the_shuffled_run_resumes_bit_identical(stop
     assert workers.mismatches(result["straight"], result["resumed"]) == []
 
 
+def _python_shuffled_epochs(data: list[Any], epochs: int) -> Any:
+    """Epochs of the microbatches in an order drawn from Python's ``random`` (not torch's)."""
+    for _ in range(epochs):
+        yield from random.sample(data, len(data))
+
+
+def test_epochs_shuffled_by_pythons_random_resume_bit_identical(tmp_path: Path) -> None:
+    config = workers.Config(microbatches=5, dropout=0.1)  # 3 epochs: 15 microbatches, 8 windows
+    run = workers.build(config)
+    straight = workers.snapshot(run, workers.train(run, config, _python_shuffled_epochs(run["data"], 3)))
+    first = workers.build(config)
+    workers.train(first, config, _python_shuffled_epochs(first["data"], 3), max_updates=4,
+                  checkpoint_dir=tmp_path, checkpoint_every=1)  # fmt: skip
+    draws = checkpoint.load_checkpoint(checkpoint.checkpoint_path(tmp_path, 4))["data_history"]["rng_draws"]
+    assert [(d["window"], sorted(d["rng"])) for d in draws] == [(0, ["python"]), (2, ["python"])]
+    second = workers.build(config)
+    ledger = workers.train(second, config, _python_shuffled_epochs(second["data"], 3),
+                           checkpoint_dir=tmp_path, resume=True)  # fmt: skip
+    assert workers.mismatches(straight, workers.snapshot(second, ledger)) == []
+
+
 def test_the_shuffled_case_needs_the_replayed_draws(tmp_path: Path, monkeypatch: Any) -> None:
     """Control: the epochs' orders do come from the global generator. Without replaying
     the data's draws, epoch 2 is read in another order and the resume is refused."""
