@@ -652,15 +652,28 @@ class Checkpointer:
         if found is None:
             return  # nothing written yet: a fresh start
         attempts, state = found
-        check_compatible(
-            state,
-            plan=self.plan,
-            model=self.model,
-            world_size=self.world_size,
-            precision=self.precision,
-            scaler=self.scaler,
-            settings=self.settings,
-        )
+        try:
+            check_compatible(
+                state,
+                plan=self.plan,
+                model=self.model,
+                world_size=self.world_size,
+                precision=self.precision,
+                scaler=self.scaler,
+                settings=self.settings,
+            )
+            refused = None
+        except ResumeMismatchError as exc:
+            refused = exc
+        # Every rank raises together, so none waits for the others in the skip's collectives.
+        ranks = [r for r, row in enumerate(distributed.gather_counts([refused is not None])) if row[0]]
+        if refused is not None:
+            raise refused
+        if ranks:
+            raise ResumeMismatchError(
+                f"cannot resume from this checkpoint: rank(s) {ranks} differ from the run that "
+                f"wrote it (their errors name what). {_FIX}"
+            )
         self.ledger.load_state_dict(state["ledger"])
         self.halvings = int(state["oom_halvings"])
         data, history = state["data"], state["data_history"]

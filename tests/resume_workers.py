@@ -267,6 +267,23 @@ def two_rank_fsdp2_resume(directory: str) -> dict[str, Any]:
     return straight_and_resumed(config, directory, 2, None, rank)
 
 
+def two_rank_refusal(directory: str) -> str:
+    """Two DDP ranks write checkpoints; resumed with another lr on rank 1 only, every rank
+    must refuse (none may wait for the other in a collective). Returns this rank's error."""
+    rank = torch.distributed.get_rank()
+    config = Config(microbatches=6)
+    first = build(config, rank)
+    train(first, config, max_updates=2, checkpoint_dir=directory, checkpoint_every=1)
+    second = build(config, rank)
+    if rank == 1:
+        second["optimizer"].param_groups[0]["lr"] = 0.1
+    try:
+        train(second, config, checkpoint_dir=directory, resume=True)
+    except checkpoint.ResumeMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
 def two_rank_fallback(directory: str) -> dict[str, Any]:
     """Two DDP ranks (uneven data, dropout) with a checkpoint after every attempt, stopped
     after 4; then rank 0's checkpoint 4 is cut in half. Resumed, rank 0 cannot read its

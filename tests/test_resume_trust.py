@@ -267,6 +267,15 @@ def test_two_fsdp2_ranks_resume_bit_identical(tmp_path: Path) -> None:
         assert result["resumed"]["ledger"]["update_attempts"] == 4
 
 
+@pytest.mark.distributed
+def test_a_setting_changed_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
+    import accumlab as al
+
+    errors = al.distributed.launch(workers.two_rank_refusal, 2, (str(tmp_path),), deadline_s=120, timeout_s=30)
+    assert "rank(s) [1] differ from the run that wrote it" in errors[0]
+    assert "optimizer param_groups[0]['lr']: 0.003 in the checkpoint, 0.1 now" in errors[1]
+
+
 def test_no_intact_checkpoint_is_one_error_naming_the_files(tmp_path: Path) -> None:
     config = workers.Config()
     interrupted(config, tmp_path, 3)
