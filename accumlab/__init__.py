@@ -21,6 +21,7 @@ from .checks import (
     inject_nonfinite,
     split_batch,
 )
+from .checkpoint import CorruptCheckpointError, ResumeMismatchError
 from .chunked_loss import ChunkedNextTokenLoss
 from .distributed import ExampleIdCheck, check_example_ids, launch
 from .driver import train
@@ -40,6 +41,7 @@ __all__ = [
     "AuditReport",
     "CannotShrinkError",
     "ChunkedNextTokenLoss",
+    "CorruptCheckpointError",
     "ExampleIdCheck",
     "ExampleLoss",
     "GradientComparison",
@@ -49,6 +51,7 @@ __all__ = [
     "Objective",
     "PRECISIONS",
     "PrecisionPolicy",
+    "ResumeMismatchError",
     "RunRecord",
     "UpdateReport",
     "Window",
