@@ -80,8 +80,13 @@ def wait_until_run(page, timeout: float = 900) -> None:
 
 def run_lesson(page, base: str, name: str, shots: Path) -> str:
     """Open my-notebooks/<name>, run all, answer the first stub, save; return the answer's cell."""
-    page.goto(f"{base}/lab/tree/my-notebooks/{name}?token={TOKEN}")
-    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+    # One page for the whole session, as a learner's browser tab: close every tab, then
+    # open the lesson from the file system, as a double click in the file browser does.
+    page.evaluate("() => window.jupyterapp.commands.execute('application:close-all')")
+    time.sleep(1)
+    page.evaluate(f"() => window.jupyterapp.commands.execute('docmanager:open', "
+                  f"{{path: 'my-notebooks/{name}'}})")
+    page.wait_for_selector(".jp-Notebook .jp-Cell >> visible=true", timeout=120_000)
     page.wait_for_function("() => document.querySelector('.jp-Notebook-ExecutionIndicator') "
                            "|| document.body.innerText.includes('Idle')", timeout=120_000)
     time.sleep(2)  # the kernel starts
