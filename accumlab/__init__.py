@@ -10,6 +10,7 @@ from ._torch_version import check_torch_version
 check_torch_version()
 
 from . import distributed
+from .checkpoint import CorruptCheckpointError, ResumeMismatchError
 from .checks import (
     AuditReport,
     GradientComparison,
@@ -21,7 +22,6 @@ from .checks import (
     inject_nonfinite,
     split_batch,
 )
-from .checkpoint import CorruptCheckpointError, ResumeMismatchError
 from .chunked_loss import ChunkedNextTokenLoss
 from .distributed import ExampleIdCheck, check_example_ids, launch
 from .driver import train
