@@ -134,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         clone = Path(tmp) / "accumlab"
         subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+        # The clone borrows this checkout's environment (VENV=...). Its fresh pyproject.toml
+        # would look newer than the environment's install stamps, and make would reinstall
+        # accumlab (editable) from the clone into this checkout's .venv: date it back.
+        os.utime(clone / "pyproject.toml", (0, 0))
         port = free_port()
         log = open(Path(tmp) / "lab.log", "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
