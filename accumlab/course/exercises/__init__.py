@@ -60,7 +60,7 @@ class Exercise:
         print(
             f"⏳ {self.name}: {NOT_ATTEMPTED}. Replace the stub above with your answer and run "
             f"this cell again; {self.path}.hint() gives a hint, {self.path}.solution() "
-            "prints the reference code."
+            "shows the answer."
         )
         return False
 
