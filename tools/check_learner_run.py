@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "learner-run-check"
+STAMPS = (".installed-torch", ".installed-core", ".installed-lab")  # the Makefile's install steps
 STUB = re.compile(r"^(\w+) = \.\.\.", re.MULTILINE)
 
 
@@ -78,7 +79,7 @@ def wait_until_run(page, timeout: float = 900) -> None:
     raise TimeoutError("the notebook did not finish running")
 
 
-def run_lesson(page, base: str, name: str, shots: Path) -> str:
+def run_lesson(page, name: str, shots: Path) -> str:
     """Open my-notebooks/<name>, run all, answer the first stub, save; return the answer's cell."""
     # One page for the whole session, as a learner's browser tab: close every tab, then
     # open the lesson from the file system, as a double click in the file browser does.
@@ -134,15 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         clone = Path(tmp) / "accumlab"
         subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
-        # The clone borrows this checkout's environment (VENV=...). Its fresh pyproject.toml
-        # would look newer than the environment's install stamps, and make would reinstall
-        # accumlab (editable) from the clone into this checkout's .venv: date it back.
-        os.utime(clone / "pyproject.toml", (0, 0))
         port = free_port()
         log = open(Path(tmp) / "lab.log", "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         lab = subprocess.Popen(
-            ["make", "lab", f"VENV={ROOT / '.venv'}", f"LAB_PORT={port}",
+            # The clone borrows this checkout's environment (VENV=...); -o keeps make from
+            # re-running its install steps, which would install accumlab (editable) from the
+            # clone into this checkout's .venv.
+            ["make", *(f"-o{ROOT / '.venv' / stamp}" for stamp in STAMPS),
+             "lab", f"VENV={ROOT / '.venv'}", f"LAB_PORT={port}",
              f"LAB_ARGS=--no-browser --ServerApp.token={TOKEN} --ServerApp.port_retries=0 "
              "--LabApp.expose_app_in_browser=True"],
             cwd=clone, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                     problems.append(f"the workspace opened {opened}, not 00_start_here")
                 for name in lessons:
                     start = time.monotonic()
-                    answered = run_lesson(page, base, name, args.shots)
+                    answered = run_lesson(page, name, args.shots)
                     saved = (clone / "my-notebooks" / name).read_bytes()
                     nb = json.loads(saved)
                     sources = "\n".join("".join(c["source"]) for c in nb["cells"])
