@@ -129,8 +129,8 @@ def run(config: Config, notebooks: list[str], python: str, workdir: Path) -> Run
     if report.exists():
         result.cells = parse_junit(report)
     if not result.cells:
-        result.error = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no result"]
-        result.error = result.error[0]
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        result.error = lines[-1] if lines else "no result"
     return result
 
 
