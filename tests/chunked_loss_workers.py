@@ -97,13 +97,11 @@ class Capture(torch.optim.Optimizer):
         self.seen.append([_full(p.grad) for p in self.param_groups[0]["params"]])
 
 
-def chunked_ddp(windows: int, accumulation_steps: int, m: int) -> dict[str, Any]:
-    """DDP over a GPT-2 wrapped whole (``HiddenStates``), trained by ``al.train`` with
-    ``ChunkedNextTokenLoss(lm.lm_head)``; rank ``r`` trains ``gpt2_batches(..., seed=r)``.
-    Returns the gradients each window handed to the optimizer and the global counts."""
+def _train_chunked(model: nn.Module, lm: nn.Module, windows: int, accumulation_steps: int,
+                   m: int) -> dict[str, Any]:
+    """Train the wrapped ``model`` with ``al.train`` and ``ChunkedNextTokenLoss(lm.lm_head)``
+    on this rank's batches; the gradients each window handed to the optimizer and the counts."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    lm = tiny_gpt2()
-    model = DistributedDataParallel(HiddenStates(lm))
     optimizer = Capture(model)
     plan = al.AccumulationPlan(m, accumulation_steps, data_parallel_size=world)
     data = gpt2_batches(windows * accumulation_steps, m, seed=rank)
@@ -114,6 +112,15 @@ def chunked_ddp(windows: int, accumulation_steps: int, m: int) -> dict[str, Any]
         "global_targets": [r.global_targets for r in ledger.reports],
         "replicas": ledger.reports[0].data_parallel_size,
     }
+
+
+def chunked_ddp(windows: int, accumulation_steps: int, m: int) -> dict[str, Any]:
+    """DDP over a GPT-2 wrapped whole (``HiddenStates``), trained by ``al.train`` with
+    ``ChunkedNextTokenLoss(lm.lm_head)``; rank ``r`` trains ``gpt2_batches(..., seed=r)``.
+    Returns the gradients each window handed to the optimizer and the global counts."""
+    lm = tiny_gpt2()
+    model = DistributedDataParallel(HiddenStates(lm))
+    return _train_chunked(model, lm, windows, accumulation_steps, m)
 
 
 def chunked_fsdp2(windows: int, accumulation_steps: int, m: int) -> dict[str, Any]:
@@ -122,20 +129,10 @@ def chunked_fsdp2(windows: int, accumulation_steps: int, m: int) -> dict[str, An
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     lm = tiny_gpt2()
     model = HiddenStates(lm)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in lm.transformer.h:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = Capture(model)
-    plan = al.AccumulationPlan(m, accumulation_steps, data_parallel_size=world)
-    data = gpt2_batches(windows * accumulation_steps, m, seed=rank)
-    objective = al.ChunkedNextTokenLoss(lm.lm_head, chunk_size=8)
-    ledger = al.train(model, data, optimizer, plan, objective, progress=False)
-    return {
-        "seen": optimizer.seen,
-        "global_targets": [r.global_targets for r in ledger.reports],
-        "replicas": ledger.reports[0].data_parallel_size,
-    }
+    return _train_chunked(model, lm, windows, accumulation_steps, m)
