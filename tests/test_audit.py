@@ -8,13 +8,17 @@ audit's own contract (arguments, errors, random state, the controlled set).
 from __future__ import annotations
 
 import dataclasses
+import importlib
+from pathlib import Path
 
 import audit_loops as loops
 import pytest
 import torch
 
 import accumlab as al
-from accumlab.loop_audit import MISTAKES, _rows, _weightings, audit_windows
+from accumlab.loop_audit.controlled_set import _rows, audit_windows
+from accumlab.loop_audit.mistakes import MISTAKES
+from accumlab.loop_audit.shares import _weightings
 
 report_of = loops.report_of
 
@@ -307,3 +311,17 @@ def test_a_buffer_made_once_is_not_a_leak_and_the_ok_text_says_so():
     assert report.ok and [w.kept_tensors for w in report.windows] == [1, 0, 0, 0]
     assert "no tensor outlived its window but 1 made once in the first window." in str(report)
     assert "no tensor outlived its window." in str(report_of(loops.plain))
+
+
+def test_the_audit_is_a_subpackage_of_small_modules_and_keeps_its_names():
+    """One idea per module, none over 500 lines; the old import paths keep working, and
+    ``accumlab.loop_audit`` is the subpackage (``accumlab.audit`` is the function)."""
+    import accumlab.loop_audit as package
+
+    folder = Path(package.__file__).parent
+    sizes = {p.name: len(p.read_text().splitlines()) for p in folder.glob("*.py")}
+    assert len(sizes) >= 6 and max(sizes.values()) <= 500, sizes
+    for name in package.__all__:
+        assert getattr(package, name) is getattr(al.checks, name), name
+    assert al.audit is package.audit and callable(al.audit)
+    assert importlib.import_module("accumlab.loop_audit").MISTAKES is MISTAKES
