@@ -330,6 +330,28 @@ def shuffled_rows(model, optimizer, scheduler, window):
     scheduler.step()
 
 
+def pairs_with_the_odd_one(model, optimizer, scheduler, window):
+    """Two microbatches per backward pass, the last one alone when the count is odd."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for i in range(0, len(window), 2):
+        sum(loss_sum(model, mb) for mb in window[i : i + 2]).div(total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def counts_after_the_shift_with_first_targets(model, optimizer, scheduler, window):
+    """Counts every label, then removes each row's first one: the same count as the shift."""
+    optimizer.zero_grad()
+    total = sum(
+        int((mb["labels"] != -100).sum() - (mb["labels"][:, 0] != -100).sum()) for mb in window
+    )
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
 SCALER = torch.amp.GradScaler("cpu")
 
 
@@ -504,6 +526,68 @@ def kept_logits(model, optimizer, scheduler, window):
     scheduler.step()
 
 
+def counts_before_shift(model, optimizer, scheduler, window):
+    """Counts the labels before the shift: a row whose first label is a target adds one
+    count that no prediction scores."""
+    optimizer.zero_grad()
+    total = sum(int((mb["labels"] != -100).sum()) for mb in window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def hf_num_items_before_shift(model, optimizer, scheduler, window):
+    """num_items_in_batch counted over the unshifted labels, as a trainer that does not
+    know the model shifts them would."""
+    optimizer.zero_grad()
+    total = torch.stack([(mb["labels"] != -100).sum() for mb in window]).sum()
+    for mb in window:
+        model(**mb, num_items_in_batch=total).loss.backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def mask_minus_one_per_row(model, optimizer, scheduler, window):
+    """Attention-mask tokens minus one per row: shifted, but the prompt still counted."""
+    optimizer.zero_grad()
+    total = sum(int((mb["attention_mask"].sum(dim=1) - 1).sum()) for mb in window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def mean_weighted_by_examples(model, optimizer, scheduler, window):
+    """Each microbatch's mean weighted by its share of the window's examples."""
+    optimizer.zero_grad()
+    n = sum(mb["input_ids"].shape[0] for mb in window)
+    for mb in window:
+        (mean_loss(model, mb) * mb["input_ids"].shape[0] / n).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def scheduler_before_step(model, optimizer, scheduler, window):
+    """The scheduler advances before the update it belongs to (WORKSHOP's mystery_c)."""
+    total = targets(window)
+    optimizer.zero_grad()
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+    scheduler.step()
+    optimizer.step()
+
+
+def scheduler_at_window_start(model, optimizer, scheduler, window):
+    """The scheduler stepped first thing in every window: each update one schedule early."""
+    scheduler.step()
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+    optimizer.step()
+
+
 # -- lost, duplicated and misaligned data -------------------------------------------------
 
 
@@ -621,6 +705,17 @@ def steps_first(model, optimizer, scheduler, window):
     total = targets(window)
     for mb in window:
         (loss_sum(model, mb) / total).backward()
+
+
+def pairs_microbatches(model, optimizer, scheduler, window):
+    """Two microbatches per backward pass, zip(window[0::2], window[1::2]): the last one
+    of a window with an odd count is dropped."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for a, b in zip(window[0::2], window[1::2]):  # noqa: B905 (the mistake under test)
+        ((loss_sum(model, a) + loss_sum(model, b)) / total).backward()
+    optimizer.step()
+    scheduler.step()
 
 
 def first_microbatch_twice(model, optimizer, scheduler, window):
@@ -848,6 +943,8 @@ EXPECTED: dict = {
     with_grad_scaler: OK,
     makes_a_cache_once: OK,
     keeps_only_the_latest_logits: OK,
+    pairs_with_the_odd_one: OK,
+    counts_after_the_shift_with_first_targets: OK,
     # one mistake each
     double_division: bad("double_division"),
     hf_num_items_over_a: bad("double_division"),
@@ -863,6 +960,12 @@ EXPECTED: dict = {
     scheduler_per_microbatch: bad("scheduler_per_microbatch"),
     kept_losses: bad("kept_references"),
     kept_logits: bad("kept_references"),
+    counts_before_shift: bad("count_before_shift"),
+    hf_num_items_before_shift: bad("count_before_shift"),
+    mask_minus_one_per_row: bad("ignored_tokens_counted"),
+    mean_weighted_by_examples: bad("average_of_averages"),
+    scheduler_before_step: bad("scheduler_before_optimizer"),
+    scheduler_at_window_start: bad("scheduler_before_optimizer"),
     # lost, duplicated, misaligned
     skips_first: bad("lost_microbatches"),
     all_but_last: bad("lost_microbatches"),
@@ -875,6 +978,7 @@ EXPECTED: dict = {
     truncates_rows: bad("lost_microbatches", other=True),
     steps_before_last_microbatch: bad("lost_microbatches"),
     steps_first: bad("lost_microbatches", other=True),
+    pairs_microbatches: bad("lost_microbatches"),
     first_microbatch_twice: bad("duplicated_microbatch"),
     window_twice: bad("duplicated_microbatch"),
     labels_not_shifted: bad("labels_not_shifted"),

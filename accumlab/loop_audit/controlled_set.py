@@ -1,6 +1,6 @@
 """The controlled set: windows of microbatches whose correct updates are known, the
 tiny float64 causal language model the user's loop trains, and the counts of every
-example (targets, label positions, attention-mask tokens)."""
+example (targets, label positions, attention-mask tokens, labels before the shift)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,20 @@ from torch import Tensor, nn
 
 # The controlled set: windows of microbatches, each microbatch a list of rows
 # (real tokens, prompt tokens). Rows are right-padded to the longest row of their
-# microbatch; prompt and padding labels are -100. Every microbatch has targets, target
-# counts differ inside each window, and the candidate denominators (targets, positions,
-# attention-mask tokens; per window or per microbatch; times 1, A or A²) differ from one
-# another on every microbatch, so each weighting mistake has its own fingerprint.
+# microbatch; prompt and padding labels are -100. A row with no prompt (prompt 0) has a
+# target as its first label, which no prediction scores after the shift: every window
+# holds one, so a count taken before the shift differs from the target count. Every
+# microbatch has targets, target counts differ inside each window, and the candidate
+# denominators (targets, positions, attention-mask tokens; per window or per microbatch;
+# times 1, A or A²) differ from one another on every microbatch, so each weighting mistake
+# has its own fingerprint (the counts before the shift and the mask tokens after it differ
+# from the targets on some microbatch of every window). The last window is shorter and
+# holds an odd number of microbatches, so a loop that pairs them drops one.
 AUDIT_WINDOWS: tuple[tuple[tuple[tuple[int, int], ...], ...], ...] = (
-    (((9, 3), (6, 2)), ((12, 4),), ((5, 1), (7, 3), (10, 5)), ((8, 2), (4, 3))),
-    (((11, 2),), ((6, 3), (9, 1)), ((7, 4), (12, 2), (5, 2)), ((10, 6), (3, 1))),
-    (((8, 1), (8, 4)), ((12, 3), (4, 1)), ((6, 2),), ((9, 2), (11, 7), (5, 1))),
-    (((10, 4), (7, 3), (5, 1)), ((9, 2),)),  # a short last window
+    (((9, 3), (6, 2)), ((12, 4),), ((5, 0), (7, 3), (10, 5)), ((8, 2), (4, 3))),
+    (((11, 2),), ((6, 3), (9, 0)), ((7, 4), (12, 2), (5, 2)), ((10, 6), (3, 1))),
+    (((8, 0), (8, 4)), ((12, 3), (4, 1)), ((6, 2),), ((9, 2), (11, 7), (5, 1))),
+    (((10, 4), (7, 3), (5, 0)), ((9, 2),), ((6, 0), (11, 4))),
 )
 AUDIT_VOCAB = 13
 AUDIT_LR = 0.1
@@ -117,6 +122,8 @@ class _Row:
     targets: int  # supervised targets after the shift
     positions: int  # label positions after the shift in its padded microbatch
     mask: int  # attention-mask tokens
+    labels: int = 0  # labels other than -100 before the shift (a first-label target too)
+    mask_shifted: int = 0  # attention-mask tokens after the shift (one fewer per row)
 
     @property
     def microbatch(self) -> int:
@@ -139,6 +146,8 @@ def _rows(windows: Sequence[Sequence[Mapping[str, Tensor]]]) -> list[list[_Row]]
                         targets=int((mb["labels"][r, 1:] != -100).sum()),
                         positions=width - 1,
                         mask=n,
+                        labels=int((mb["labels"][r] != -100).sum()),
+                        mask_shifted=max(n - 1, 0),
                     )
                 )
         out.append(rows)

@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_leaves
 
 from .controlled_set import _TOL, RowKey, _Row
 from .report import WindowAudit
-from .shares import _UNITS, _Shares, _Weighting
+from .shares import _UNITS, MEAN_BY_EXAMPLES, PER_EXAMPLE, _Shares, _Weighting
 from .watch import _Watch
 
 
@@ -32,6 +32,19 @@ def _windows_text(indices: Sequence[int]) -> str:
 
 def _numbers(values: Sequence[float], digits: int = 3) -> str:
     return ", ".join(f"{v + 0.0:.{digits}g}" for v in values)  # + 0.0: no "-0"
+
+
+#: How the evidence describes each count a loop may divide by instead of the targets.
+_DESCRIBED = {
+    "label positions": "label positions after the shift, -100 included",
+    "attention-mask tokens": "attention-mask tokens (prompt included, no shift)",
+    "attention-mask tokens after the shift": (
+        "attention-mask tokens minus one per row (shifted, but the prompt included)"
+    ),
+    "labels before the shift": (
+        "labels before the shift (each row's first label included, which no prediction scores)"
+    ),
+}
 
 
 class _Evidence(_Shares):
@@ -81,7 +94,7 @@ class _Evidence(_Shares):
                 f"{', '.join(parts)} (measured ratios {_numbers([r for _, r in ratios], 4)})"
             )
         if name == "average_of_averages":
-            if "example" in weighting.key:
+            if weighting.key == PER_EXAMPLE:
                 flat = [x for mb in first.example_weights or [] for x in mb]
                 return (
                     f"in window {k} the examples hold {_numbers([r.targets for r in rows])} "
@@ -90,34 +103,61 @@ class _Evidence(_Shares):
                     f"mean counts the same whatever its length; a target in the shortest "
                     f"example weighs {max(flat) / min(flat):.3g} × one in the longest"
                 )
-            text = (
-                f"in window {k} the microbatches hold {_numbers(per_mb)} targets and reached the "
-                f"update with weights {_numbers(weights)} (1 = correct), equal to {first.targets} "
-                f"/ ({weighting.key}): each microbatch's mean counts the same whatever its size"
-            )
+            if weighting.key == MEAN_BY_EXAMPLES:
+                examples = [sum(r.microbatch == i for r in rows) for i in range(first.microbatches)]
+                text = (
+                    f"in window {k} the microbatches hold {_numbers(per_mb)} targets in "
+                    f"{_numbers(examples)} examples and reached the update with weights "
+                    f"{_numbers(weights)} (1 = correct), equal to {first.targets} / "
+                    f"({weighting.key}): each microbatch's mean is weighted by its examples, "
+                    "not by its targets"
+                )
+            else:
+                text = (
+                    f"in window {k} the microbatches hold {_numbers(per_mb)} targets and reached "
+                    f"the update with weights {_numbers(weights)} (1 = correct), equal to "
+                    f"{first.targets} / ({weighting.key}): each microbatch's mean counts the "
+                    "same whatever its size"
+                )
             w = [x for x in weights if abs(x) > _TOL]
             if len(w) > 1 and min(w) > 0:
+                which = (
+                    "one microbatch weighs up to"
+                    if weighting.key == MEAN_BY_EXAMPLES
+                    else "the smallest microbatch weighs"
+                )
                 text += (
-                    f"; a target in the smallest microbatch weighs {max(w) / min(w):.3g} × one "
-                    "in the largest, and another split of the same examples gives another update"
+                    f"; a target in {which} {max(w) / min(w):.3g} × one in "
+                    f"{'another' if weighting.key == MEAN_BY_EXAMPLES else 'the largest'}, and "
+                    "another split of the same examples gives another update"
                 )
             return text
-        if name == "ignored_tokens_counted":
-            unit = (
-                "label positions" if "label positions" in weighting.key else "attention-mask tokens"
+        if name in ("ignored_tokens_counted", "count_before_shift"):
+            unit = weighting.unit
+            attr = _UNITS[unit][0]
+            # quote a window where the count differs from the targets
+            k = next(
+                (
+                    j
+                    for j in constrained
+                    if any(getattr(r, attr) != r.targets for r in self.rows[j])
+                ),
+                k,
             )
-            described = (
-                "label positions after the shift, -100 included"
-                if unit == "label positions"
-                else "attention-mask tokens (prompt included, no shift)"
+            first, rows = audits[k], self.rows[k]
+            per_mb = _microbatch_counts(rows, "targets", first.microbatches)
+            counted = _microbatch_counts(rows, attr, first.microbatches)
+            text = (
+                f"the denominator counts {_DESCRIBED[unit]}, not supervised targets: in window "
+                f"{k} the microbatches hold {_numbers(per_mb)} targets but {_numbers(counted)} "
+                f"{unit}, and the measured weights {_numbers(first.weights or [])} (1 = correct) "
+                f"equal {first.targets} / ({weighting.key})"
             )
-            return (
-                f"the denominator counts {described}, not supervised targets: in window {k} the "
-                f"microbatches hold {_numbers(per_mb)} targets but "
-                f"{_numbers(_microbatch_counts(rows, _UNITS[unit], first.microbatches))} {unit}, "
-                f"and the measured weights {_numbers(weights)} (1 = correct) equal "
-                f"{first.targets} / ({weighting.key})"
-            )
+            if name == "count_before_shift":
+                firsts = [r.key for r in rows if r.labels > r.targets]
+                shown = ", ".join(f"example {r} of microbatch {i}" for _, i, r in firsts)
+                text += f"; the first label of {shown} is a target"
+            return text
         raise AssertionError(name)
 
     def _shift_evidence(

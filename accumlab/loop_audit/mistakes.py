@@ -8,6 +8,7 @@ MISTAKES: tuple[str, ...] = (
     "double_division",
     "average_of_averages",
     "ignored_tokens_counted",
+    "count_before_shift",
     "labels_not_shifted",
     "labels_shifted_twice",
     "lost_microbatches",
@@ -16,6 +17,7 @@ MISTAKES: tuple[str, ...] = (
     "no_update",
     "step_per_microbatch",
     "scheduler_per_microbatch",
+    "scheduler_before_optimizer",
     "kept_references",
     "window_modified_in_place",
 )
@@ -39,6 +41,14 @@ ADVICE: dict[str, tuple[str, str]] = {
         "the denominator counts positions that have no target",
         "count only supervised targets after the shift: (labels[:, 1:] != -100).sum()",
     ),
+    "count_before_shift": (
+        "updates a little too small, by targets / (targets + rows without a prompt): the count "
+        "is taken before the shift, so each row whose first label is a target adds one that "
+        "no prediction scores (the shortfall grows with more, shorter rows per window)",
+        "count the targets after the shift, the positions the loss scores: "
+        "(labels[:, 1:] != -100).sum(), also for num_items_in_batch when the model shifts "
+        "the labels itself",
+    ),
     "labels_not_shifted": (
         "a training loss that drops fast towards zero while the model learns nothing useful: "
         "each position is trained to repeat the token it already sees",
@@ -56,7 +66,8 @@ ADVICE: dict[str, tuple[str, str]] = {
         "(or rows) never train, and every update is taken from part of its window",
         "train on every microbatch of the window, every row of it, once: iterate over the "
         "whole list (no slice such as window[1:] or window[:-1], no pop while iterating, no "
-        "loss outside the loop body)",
+        "loss outside the loop body, no zip(window[0::2], window[1::2]) that drops the last "
+        "microbatch of an odd window)",
     ),
     "duplicated_microbatch": (
         "some examples weigh two (or more) times as much as the others in the update, and "
@@ -82,6 +93,12 @@ ADVICE: dict[str, tuple[str, str]] = {
         "a shifted schedule: warmup and decay run A times too fast, counted in backward "
         "passes instead of updates",
         "call scheduler.step() once per update, right after optimizer.step()",
+    ),
+    "scheduler_before_optimizer": (
+        "a schedule one update early: every update runs at the learning rate meant for the "
+        "next one (warmup skips its first value, decay ends early); PyTorch warns "
+        '"Detected call of `lr_scheduler.step()` before `optimizer.step()`"',
+        "call scheduler.step() after optimizer.step(), once per update",
     ),
     "kept_references": (
         "growing memory: live memory rises window after window until the run is out of memory",

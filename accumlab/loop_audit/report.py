@@ -23,6 +23,11 @@ class WindowAudit:
     ``carried``: the largest share of a previous window's gradient found in this one.
     ``label_shift``: the shift between positions and targets the updates match (1, the
     next token, is correct; 0 or 2 is a mistake; None when none matches).
+    ``examples``: the window's examples (rows); ``rows_forwarded``: rows that went through
+    the loop's forward passes in this window (an example run twice counts twice).
+    ``scheduler_ahead``: ``scheduler.step()`` calls made by this window's first
+    ``optimizer.step()`` beyond the updates before it (0 for a correct loop; 1 when the
+    scheduler steps before the optimizer; negative when it falls behind).
     """
 
     index: int
@@ -42,6 +47,9 @@ class WindowAudit:
     example_weights: list[list[float]] | None = None
     example_backward_passes: list[list[int]] = field(default_factory=list)
     label_shift: int | None = 1
+    examples: int = 0
+    rows_forwarded: int = 0
+    scheduler_ahead: int = 0
 
 
 @dataclass
@@ -53,13 +61,55 @@ class AuditReport:
     from an earlier window, a scheduler that never advances, an update nothing explains).
     ``ok`` is True when both are empty and every window's update matches the correct one
     within :data:`AUDIT_TOLERANCE`. ``str(report)`` gives, per mistake, the evidence, the
-    symptom a user would see in a real run, and the fix, then what the audit does not check.
+    symptom a user would see in a real run, and the fix, then what the audit ran and what it
+    does not check.
+
+    What the audit ran: ``examples`` in the controlled set (``microbatches`` of them);
+    ``loop_forwards`` forward passes of your loop over ``loop_rows`` rows; and
+    ``reference_forwards`` forward and backward passes of one example each that the audit
+    ran itself (each example's correct contribution at the weights your loop's forward ran
+    at, and at another label shift when the updates needed one); ``forward_passes`` and
+    ``rows_forwarded`` are the totals.
     """
 
     mistakes: list[str]
     evidence: dict[str, str]
     other: list[str]
     windows: list[WindowAudit]
+    reference_forwards: int = 0
+
+    @property
+    def examples(self) -> int:
+        return sum(w.examples for w in self.windows)
+
+    @property
+    def microbatches(self) -> int:
+        return sum(w.microbatches for w in self.windows)
+
+    @property
+    def loop_forwards(self) -> int:
+        return sum(w.forwards for w in self.windows)
+
+    @property
+    def loop_rows(self) -> int:
+        return sum(w.rows_forwarded for w in self.windows)
+
+    @property
+    def forward_passes(self) -> int:
+        return self.loop_forwards + self.reference_forwards
+
+    @property
+    def rows_forwarded(self) -> int:
+        return self.loop_rows + self.reference_forwards
+
+    @property
+    def ran(self) -> str:
+        """What the audit ran, in one sentence."""
+        return (
+            f"The audit ran {self.forward_passes} forward passes over {self.rows_forwarded} "
+            f"rows: your loop's {self.loop_forwards} over {self.loop_rows} rows, and "
+            f"{self.reference_forwards} of one example each for the reference."
+        )
 
     @property
     def ok(self) -> bool:
@@ -73,8 +123,10 @@ class AuditReport:
         )
 
     def __str__(self) -> str:
-        n_mb = sum(w.microbatches for w in self.windows)
-        head = f"{len(self.windows)} windows, {n_mb} microbatches of a controlled set"
+        head = (
+            f"{len(self.windows)} windows, {self.microbatches} microbatches, {self.examples} "
+            "examples of a controlled set"
+        )
         if self.ok:
             worst = max((w.update_error or 0.0) for w in self.windows)
             error = "below 1e-12" if worst < 1e-12 else f"{worst:.1e}"  # float64 rounding only
@@ -82,8 +134,8 @@ class AuditReport:
             kept = f" but {once} made once in the first window" if once else ""
             return (
                 f"audit: ok ({head}). Every update matches the reference (largest relative "
-                f"error {error}); one optimizer.step and one scheduler.step per window; no "
-                f"tensor outlived its window{kept}.\n{NOT_CHECKED}"
+                f"error {error}); one optimizer.step and, after it, one scheduler.step per "
+                f"window; no tensor outlived its window{kept}.\n{self.ran}\n{NOT_CHECKED}"
             )
         count = len(self.mistakes)
         lines = [f"audit: {count} mistake{'s' if count != 1 else ''} found ({head})"]
@@ -97,5 +149,5 @@ class AuditReport:
             ]
         for note in self.other:
             lines.append(f"- also: {note}")
-        lines.append(NOT_CHECKED)
+        lines += [self.ran, NOT_CHECKED]
         return "\n".join(lines)

@@ -45,25 +45,32 @@ def audit(train_one_window: Callable[..., Any], *, seed: int = 0) -> AuditReport
     right-padded, prompt and padding labels -100, labels not shifted) and ``model`` is
     called like a Hugging Face causal LM (it returns an object with ``.logits``; with
     ``labels=`` it also gives ``.loss``, a mean, or a sum over ``num_items_in_batch``).
-    The audit calls it on four windows (4, 4, 4 and 2 microbatches, 28 examples, unequal
-    target counts) with a tiny float64 model, ``SGD`` without momentum (so an update is
-    ``-lr × the gradient found by optimizer.step()``) and a ``LambdaLR`` scheduler with a
-    constant factor. The loop may run the microbatches whole, row by row (padding kept or
-    trimmed) or all in one forward pass, and may run extra forward passes without a
-    backward pass (no-grad logging, an eval-mode pass). What it checks:
+    The audit calls it on four windows (4, 4, 4 and 3 microbatches, 30 examples, unequal
+    target counts, some rows without a prompt so that their first label is a target) with
+    a tiny float64 model, ``SGD`` without momentum (so an update is ``-lr × the gradient
+    found by optimizer.step()``) and a ``LambdaLR`` scheduler with a constant factor. The
+    loop may run the microbatches whole, row by row (padding kept or trimmed) or all in one
+    forward pass, and may run extra forward passes without a backward pass (no-grad
+    logging, an eval-mode pass). To measure, the audit then runs one forward and backward
+    pass of its own per example (and per other set of weights or label shift the loop's
+    updates need), so a correct loop costs 45 forward passes over 60 rows: the report
+    counts them (``report.forward_passes``, ``report.rows_forwarded``). What it checks:
 
     - the gradient each ``optimizer.step()`` finds, written as a combination of the
       correct per-example contributions (each taken at the weights its forward pass ran
       at); the weight of each example names double division (all ``1/A``), average of
-      averages (``1/targets`` of the microbatch or of the example), ignored tokens (a
-      denominator of positions or mask tokens instead of targets), lost microbatches (an
-      example never trained), duplicated microbatches (trained twice), zero_grad inside
+      averages (``1/targets`` of the microbatch or of the example, or microbatch means
+      weighted by their examples), ignored tokens (a denominator of positions or mask
+      tokens, shifted or not, instead of targets), a count taken before the shift (a row's
+      first label counted), lost microbatches (an example never trained, as when pairs of
+      microbatches drop the last of an odd window), duplicated microbatches (trained
+      twice), zero_grad inside
       the window (trained, then cleared), gradients carried over from earlier windows;
       when it is no combination of them, the same with targets not shifted or shifted
       twice names those;
-    - ``optimizer.step`` and ``scheduler.step`` calls per window (no update, step or
-      scheduler per microbatch) and ``zero_grad`` calls between a backward pass and the
-      step that should use it;
+    - ``optimizer.step`` and ``scheduler.step`` calls per window and their order (no
+      update, step or scheduler per microbatch, scheduler stepped before the optimizer) and
+      ``zero_grad`` calls between a backward pass and the step that should use it;
     - tensors created during a window that are still alive (after ``gc.collect()``) once
       the last window is done (kept references: from a window after the first, since the
       first may create what is made once, such as a cache), and tensors of the window the
@@ -113,7 +120,8 @@ def _audit(train_one_window: Callable[..., Any], seed: int) -> AuditReport:
             given = [{key: v.clone() for key, v in mb.items()} for mb in window]
             held = list(given)  # the dicts, even if the loop pops them from its list
             with watch.begin(k), warnings.catch_warnings():
-                # The report says more about a misplaced scheduler.step() than this warning.
+                # The report names a scheduler.step() before optimizer.step()
+                # (scheduler_before_optimizer) with the counts; the warning would repeat it.
                 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
                 try:
                     train_one_window(model, optimizer, scheduler, given)

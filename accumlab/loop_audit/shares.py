@@ -26,9 +26,22 @@ class _Weighting:
     key: str
     mistakes: tuple[str, ...]
     note: str | None = None
+    unit: str = "targets"  # what it counts (a key of _UNITS)
 
 
-_UNITS = {"targets": "targets", "label positions": "positions", "attention-mask tokens": "mask"}
+#: What a loop can count as its denominator: the ``_Row`` attribute, and the mistakes that
+#: counting it instead of the targets stands for.
+_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "targets": ("targets", ()),
+    "label positions": ("positions", ("ignored_tokens_counted",)),
+    "attention-mask tokens": ("mask", ("ignored_tokens_counted",)),
+    "attention-mask tokens after the shift": ("mask_shifted", ("ignored_tokens_counted",)),
+    "labels before the shift": ("labels", ("count_before_shift",)),
+}
+#: Per-example means averaged over the window's examples.
+PER_EXAMPLE = "targets in the example × examples in the window"
+#: Per-microbatch means, each weighted by its share of the window's examples.
+MEAN_BY_EXAMPLES = "targets in the microbatch × examples in the window / examples in the microbatch"
 
 
 def _weightings(
@@ -38,8 +51,9 @@ def _weightings(
 
     The right one divides every loss sum by the window's targets. The others are the
     mistakes: an extra ``/ A`` (double division), per-microbatch or per-example means
-    averaged (average of averages), counts that include ignored positions, and
-    combinations. With ``keep``, the window is the kept rows only (a loop that lost some
+    averaged (average of averages, also with each microbatch's mean weighted by its
+    examples), counts that include ignored positions (label positions, mask tokens before or
+    after the shift), the count of labels before the shift, and combinations. With ``keep``, the window is the kept rows only (a loop that lost some
     and normalizes over what it trained); the other rows get an infinite divisor.
     """
     keep = [True] * len(rows) if keep is None else list(keep)
@@ -63,18 +77,20 @@ def _weightings(
             per_row(lambda row: 1.0),
         )
     ]
-    for unit, attr in _UNITS.items():
-        ignored = () if unit == "targets" else ("ignored_tokens_counted",)
+    for unit, (attr, ignored) in _UNITS.items():
         total = sum(getattr(row, attr) for row in kept)
         in_mb = {
             i: sum(getattr(row, attr) for row in kept if row.microbatch == i) for i in microbatches
         }
         out.append(
-            (_Weighting(f"{unit} in the window", ignored), per_row(lambda row, total=total: total))
+            (
+                _Weighting(f"{unit} in the window", ignored, unit=unit),
+                per_row(lambda row, total=total: total),
+            )
         )
         out.append(
             (
-                _Weighting(f"A × {unit} in the window", (*ignored, "double_division")),
+                _Weighting(f"A × {unit} in the window", (*ignored, "double_division"), unit=unit),
                 per_row(lambda row, total=total: a * total),
             )
         )
@@ -88,29 +104,39 @@ def _weightings(
                     aoa,
                     "the microbatch means are added without dividing by A: every update is "
                     "A times too large",
+                    unit=unit,
                 ),
                 per_row(lambda row, in_mb=in_mb: in_mb[row.microbatch]),
             )
         )
         out.append(
             (
-                _Weighting(f"A × {unit} in the microbatch", aoa),
+                _Weighting(f"A × {unit} in the microbatch", aoa, unit=unit),
                 per_row(lambda row, in_mb=in_mb: a * in_mb[row.microbatch]),
             )
         )
         out.append(
             (
-                _Weighting(f"A² × {unit} in the microbatch", (*aoa, "double_division")),
+                _Weighting(f"A² × {unit} in the microbatch", (*aoa, "double_division"), unit=unit),
                 per_row(lambda row, in_mb=in_mb: a * a * in_mb[row.microbatch]),
             )
         )
     if n_examples > a:  # else per-example means are the per-microbatch ones
         out.append(
             (
-                _Weighting(
-                    "targets in the example × examples in the window", ("average_of_averages",)
-                ),
+                _Weighting(PER_EXAMPLE, ("average_of_averages",)),
                 per_row(lambda row: row.targets * n_examples),
+            )
+        )
+    examples = {i: sum(row.microbatch == i for row in kept) for i in microbatches}
+    if len(set(examples.values())) > 1:  # else it is A × targets in the microbatch
+        targets = {i: sum(r.targets for r in kept if r.microbatch == i) for i in microbatches}
+        out.append(
+            (
+                _Weighting(MEAN_BY_EXAMPLES, ("average_of_averages",)),
+                per_row(
+                    lambda row: targets[row.microbatch] * n_examples / examples[row.microbatch]
+                ),
             )
         )
     return out

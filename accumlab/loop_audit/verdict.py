@@ -135,6 +135,8 @@ class _Verdict(_Evidence):
             else None,
             example_backward_passes=self._nested(rows, trained, a),
             label_shift=shift if fit.residual <= _TOL else None,
+            examples=len(rows),
+            rows_forwarded=sum(len(watch.forwards[f].rows) for f in forwards),
         )
         constrained = steps and used and fit.residual <= _TOL
         return audit, self._matching(k, weights, trained, used, lost) if constrained else None
@@ -159,6 +161,7 @@ class _Verdict(_Evidence):
 
         self._notes(notes, audits, other)
         self._weighting_findings(matches, audits, found, evidence, other)
+        self._scheduler_order(audits, found, evidence)
         for shift, name in _SHIFTS.items():
             if found[name]:
                 evidence[name] = self._shift_evidence(shift, found[name], audits, residual_at_1)
@@ -183,7 +186,47 @@ class _Verdict(_Evidence):
                 f"relative error {max(audits[k].update_error or 0.0 for k in off):.2g}, "
                 f"tolerance {_TOL:.0e}) in a way the audit cannot attribute"
             )
-        return AuditReport(mistakes, {n: evidence[n] for n in mistakes}, other, audits)
+        return AuditReport(
+            mistakes,
+            {n: evidence[n] for n in mistakes},
+            other,
+            audits,
+            reference_forwards=len(self._cache),
+        )
+
+    def _scheduler_order(
+        self, audits: list[WindowAudit], found: dict[str, list[int]], evidence: dict[str, str]
+    ) -> None:
+        """A ``scheduler.step()`` that runs before the ``optimizer.step()`` it belongs to: at
+        a window's first step, more schedule steps than earlier updates. A schedule stepped
+        per microbatch is ahead too, and already named for it."""
+        schedules, updates, seen = 0, 0, set()
+        for window, kind, _ in self.watch.events:
+            if kind == "scheduler":
+                schedules += 1
+            elif kind == "step":
+                if window not in seen:
+                    seen.add(window)
+                    audits[window].scheduler_ahead = schedules - updates
+                updates += 1
+        ahead = [w.index for w in audits if w.scheduler_ahead > 0]
+        if not ahead or found["scheduler_per_microbatch"]:
+            return
+        found["scheduler_before_optimizer"].extend(ahead)
+        before = [audits[k].scheduler_ahead for k in ahead]
+        earlier = [sum(w.optimizer_steps for w in audits[:k]) for k in ahead]
+        later = (
+            "the next update"
+            if set(before) == {1}
+            else f"an update {_numbers(before)} later (per window)"
+        )
+        evidence["scheduler_before_optimizer"] = (
+            f"at the first optimizer.step() of {_windows_text(ahead)} the scheduler had "
+            f"already been stepped {_numbers([b + e for b, e in zip(before, earlier, strict=True)])} times "
+            f"for {_numbers(earlier)} earlier updates: scheduler.step() ran before the "
+            "optimizer.step() it belongs to, so each update ran at the learning rate the "
+            f"schedule gives {later}"
+        )
 
     def _weighting_findings(
         self,
@@ -217,6 +260,8 @@ class _Verdict(_Evidence):
                 )
         elif weighting is not None:
             for name in weighting.mistakes:
+                if name == "count_before_shift" and found["labels_not_shifted"]:
+                    continue  # a loss that does not shift scores the first label: its count
                 found[name].extend(constrained)
                 evidence[name] = self._weighting_evidence(
                     name, weighting, audits, matches, constrained
