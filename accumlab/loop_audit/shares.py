@@ -52,9 +52,10 @@ def _weightings(
     The right one divides every loss sum by the window's targets. The others are the
     mistakes: an extra ``/ A`` (double division), per-microbatch or per-example means
     averaged (average of averages, also with each microbatch's mean weighted by its
-    examples), counts that include ignored positions (label positions, mask tokens before or
-    after the shift), the count of labels before the shift, and combinations. With ``keep``, the window is the kept rows only (a loop that lost some
-    and normalizes over what it trained); the other rows get an infinite divisor.
+    examples), counts that include ignored positions (label positions, mask tokens before
+    or after the shift), the count of labels before the shift, and combinations. With
+    ``keep``, the window is the kept rows only (a loop that lost some and normalizes over
+    what it trained); the other rows get an infinite divisor.
     """
     keep = [True] * len(rows) if keep is None else list(keep)
     kept = [row for row, k in zip(rows, keep, strict=True) if k]

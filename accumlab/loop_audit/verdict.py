@@ -205,7 +205,7 @@ class _Verdict(_Evidence):
             if kind == "scheduler":
                 schedules += 1
             elif kind == "step":
-                if window not in seen:
+                if window >= 0 and window not in seen:
                     seen.add(window)
                     audits[window].scheduler_ahead = schedules - updates
                 updates += 1
@@ -215,6 +215,7 @@ class _Verdict(_Evidence):
         found["scheduler_before_optimizer"].extend(ahead)
         before = [audits[k].scheduler_ahead for k in ahead]
         earlier = [sum(w.optimizer_steps for w in audits[:k]) for k in ahead]
+        stepped = [b + e for b, e in zip(before, earlier, strict=True)]
         later = (
             "the next update"
             if set(before) == {1}
@@ -222,7 +223,7 @@ class _Verdict(_Evidence):
         )
         evidence["scheduler_before_optimizer"] = (
             f"at the first optimizer.step() of {_windows_text(ahead)} the scheduler had "
-            f"already been stepped {_numbers([b + e for b, e in zip(before, earlier, strict=True)])} times "
+            f"already been stepped {_numbers(stepped)} times "
             f"for {_numbers(earlier)} earlier updates: scheduler.step() ran before the "
             "optimizer.step() it belongs to, so each update ran at the learning rate the "
             f"schedule gives {later}"
@@ -261,7 +262,9 @@ class _Verdict(_Evidence):
         elif weighting is not None:
             for name in weighting.mistakes:
                 if name == "count_before_shift" and found["labels_not_shifted"]:
-                    continue  # a loss that does not shift scores the first label: its count
+                    # a loss that does not shift scores each row's first label, so counting
+                    # the labels before the shift counts what it scores: the shift is named
+                    continue
                 found[name].extend(constrained)
                 evidence[name] = self._weighting_evidence(
                     name, weighting, audits, matches, constrained
