@@ -5,6 +5,7 @@ imports is one line and exit code 130, from the console script and from ``python
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -73,16 +74,18 @@ def entry_points() -> dict[str, list[str]]:
 
 class Started:
     """A command in a subprocess, with Python's import timing on (each completed import is
-    a stderr line ``import time: ... | module``): ``reached_accumlab`` is set when the
-    first accumlab submodule has been imported, i.e. the start-up is inside ``import
-    accumlab`` and torch is next."""
+    a stderr line ``import time: ... | module``): ``importing_torch`` is set at the first
+    torch module imported, i.e. the start-up is inside ``import accumlab``, importing
+    torch. (Before accumlab's first line runs, Python's own start-up, its ``site`` and an
+    editable install's finder take 20 ms to a few hundred on a loaded machine: a SIGINT
+    there is Python's, which no package can catch.)"""
 
     def __init__(self, command: list[str]) -> None:
         self.process = subprocess.Popen(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env={**ENV, "PYTHONPROFILEIMPORTTIME": "1"},
         )  # fmt: skip
-        self.reached_accumlab = threading.Event()
+        self.importing_torch = threading.Event()
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -91,8 +94,8 @@ class Started:
         assert self.process.stderr is not None
         for line in self.process.stderr:
             if line.startswith("import time:"):
-                if "accumlab." in line:
-                    self.reached_accumlab.set()
+                if re.search(r"\|\s+torch(\.|$)", line.rstrip("\n")):
+                    self.importing_torch.set()
             else:
                 self.lines.append(line.rstrip("\n"))
 
@@ -107,17 +110,18 @@ class Started:
         return code, self.lines
 
 
-@pytest.mark.parametrize("offset", [0.01, 0.05, 0.15, 0.3, 0.6, 1.0, 1.5, 2.0])
+@pytest.mark.parametrize("offset", [0.0, 0.02, 0.05, 0.15, 0.3, 0.6, 1.0, 2.0])
 def test_ctrl_c_while_the_command_starts_is_one_line_and_130(offset):
-    """SIGINT ``offset`` seconds after the start-up reached accumlab (torch imports
-    next, for about 0.3 to 2.5 s): from both entry points, exit 130 and one stderr line,
-    never a traceback. At the early offsets the line is the start-up's; at the later
-    ones the run may have begun, and the line is the run's own."""
-    runs = {name: Started([*command, "train", "--micro", "2", "--steps", "2", "--updates",
+    """SIGINT ``offset`` seconds after the start-up began importing torch (which takes
+    about 0.3 to 2.5 s): from both entry points, exit 130 and one stderr line, never a
+    traceback. At the early offsets the line is the start-up's; at the later ones the
+    run may have begun, and the line is the run's own."""
+    # 2,000 updates of one example each: many seconds, the run is never over by then
+    runs = {name: Started([*command, "train", "--micro", "1", "--steps", "1", "--updates",
                            "100000", "--quiet"])
             for name, command in entry_points().items()}  # fmt: skip
     for name, run in runs.items():
-        assert run.reached_accumlab.wait(timeout=120), name
+        assert run.importing_torch.wait(timeout=120), name
     time.sleep(offset)
     for run in runs.values():
         run.process.send_signal(signal.SIGINT)
