@@ -8,6 +8,7 @@ keeps the old one.
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -99,7 +100,11 @@ def test_two_restores_in_one_second_keep_both_backups(course):
     copies.sync(course)
     mine = course / "my-notebooks" / "03_amp_gradscaler.ipynb"
     mine.write_text('{"my": "answers"}')
+    os.chmod(mine, 0o640)
+    os.utime(mine, (1_000_000_000, 1_000_000_000))
     (first,) = copies.restore(["03"], root=course, now=0)
+    kept = course / "my-notebooks" / "backups" / first.rsplit("/", 1)[1]
+    assert kept.stat().st_mtime == 1_000_000_000 and kept.stat().st_mode & 0o777 == 0o640
     mine.write_text('{"my": "second answers"}')
     (second,) = copies.restore(["03"], root=course, now=0)
     backups = sorted((course / "my-notebooks" / "backups").iterdir())

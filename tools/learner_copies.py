@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -123,6 +124,7 @@ def _back_up(copy: Path, root: Path, stamp: str) -> tuple[Path, float] | None:
             shutil.copyfileobj(mine, backup)
             backup.flush()
             os.fsync(backup.fileno())
+    os.chmod(kept, stat.S_IMODE(saved.st_mode))  # the copy's permissions and times
     os.utime(kept, ns=(saved.st_atime_ns, saved.st_mtime_ns))
     return kept, saved.st_mtime
 
