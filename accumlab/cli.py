@@ -520,13 +520,15 @@ def _whole_number(text: str, low: int, high: int | None, what: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
-    """A count or size: a whole number, at least 1."""
+def parse_positive_int(text: str) -> int:
+    """argparse ``type=`` for a count or size: a whole number, at least 1."""
     return _whole_number(text, 1, None, "a whole number, at least 1")
 
 
-def _seed(text: str) -> int:
-    """A seed: a whole number from 0 to :data:`MAX_SEED`, checked before torch sees it."""
+def parse_seed(text: str) -> int:
+    """argparse ``type=`` for a seed: a whole number from 0 to :data:`MAX_SEED`, checked
+    before torch sees it (``torch.manual_seed(2**64)`` fails with "Overflow when unpacking
+    long long", naming no flag)."""
     return _whole_number(text, 0, MAX_SEED, f"a whole number from 0 to {MAX_SEED} (2**64 - 1, "
                                             "the seeds torch.manual_seed takes)")
 
@@ -548,22 +550,22 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(run=_env)
 
     p = sub.add_parser("plan", help="accumulation steps for a target effective batch")
-    p.add_argument("--effective", type=_positive, required=True, help="examples per update")
-    p.add_argument("--micro", type=_positive, required=True, help="examples per microbatch (m)")
-    p.add_argument("--dp", type=_positive, default=1, help="data-parallel replicas (D)")
+    p.add_argument("--effective", type=parse_positive_int, required=True, help="examples per update")
+    p.add_argument("--micro", type=parse_positive_int, required=True, help="examples per microbatch (m)")
+    p.add_argument("--dp", type=parse_positive_int, default=1, help="data-parallel replicas (D)")
     p.set_defaults(run=_plan)
 
     t = sub.add_parser("train", help="train the tiny GPT on the shipped data set")
-    t.add_argument("--micro", type=_positive, default=4, help="examples per microbatch (m)")
-    t.add_argument("--steps", type=_positive, default=8, help="microbatches per window (A)")
-    t.add_argument("--updates", type=_positive, default=20, help="update attempts to run")
-    t.add_argument("--examples", type=_positive, default=None, help="use only the first N examples")
+    t.add_argument("--micro", type=parse_positive_int, default=4, help="examples per microbatch (m)")
+    t.add_argument("--steps", type=parse_positive_int, default=8, help="microbatches per window (A)")
+    t.add_argument("--updates", type=parse_positive_int, default=20, help="update attempts to run")
+    t.add_argument("--examples", type=parse_positive_int, default=None, help="use only the first N examples")
     t.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     t.add_argument("--last-window", choices=["update", "drop"], default="update")
     t.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (positive, finite)")
     t.add_argument("--clip", type=float, default=None,
                    help="clip the window's gradient norm to this (positive, finite)")
-    t.add_argument("--seed", type=_seed, default=0,
+    t.add_argument("--seed", type=parse_seed, default=0,
                    help=f"model initialisation and data shuffle (0 to {MAX_SEED})")
     t.add_argument("--record", nargs="?", const=AUTO_RECORD, default=None, metavar="PATH",
                    help=f"write the run record as JSON to PATH, a regular file or a symlink "
@@ -575,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help=f"write checkpoints to DIR (e.g. {RUNS_DIR}/ckpt): after every "
                         "--checkpoint-every update attempts and after the last one")
-    t.add_argument("--checkpoint-every", type=_positive, default=None, metavar="N",
+    t.add_argument("--checkpoint-every", type=parse_positive_int, default=None, metavar="N",
                    help="update attempts between checkpoints (needs --checkpoint-dir)")
     t.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint-dir (fresh start "

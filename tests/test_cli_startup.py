@@ -4,6 +4,7 @@ imports is one line and exit code 130, from the console script and from ``python
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -57,6 +58,23 @@ def test_the_seed_range_is_what_torch_takes():
         assert main([*TINY, "--seed", str(seed)]) == 0
     with pytest.raises((RuntimeError, ValueError)):  # "Overflow when unpacking long long"
         torch.manual_seed(MAX_SEED + 1)
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--seed", str(2**64)), ("--seed", "-1"),
+                                           ("--nproc", "0"), ("--micro", "0"),
+                                           ("--examples", "-5"), ("--steps", "0")])
+def test_the_ddp_example_checks_its_integer_flags_the_same_way(flag, value, capsys):
+    """examples/ddp_train.py (run by notebook 04) takes the CLI's checks: a bad value is a
+    usage error naming the flag before any process is spawned."""
+    spec = importlib.util.spec_from_file_location(
+        "ddp_train", Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.parse([]).seed == 0
+    with pytest.raises(SystemExit) as exit_:
+        example.parse([flag, value])
+    assert exit_.value.code == 2
+    assert f"error: argument {flag}: must be a whole number" in capsys.readouterr().err
 
 
 # --- Ctrl-C during start-up ---------------------------------------------------------------
