@@ -110,7 +110,8 @@ lab: $(VENV)/.installed-lab
 	  $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 # A fresh copy of one lesson (NB=03) or of all (NB=all) in $(LAB_COPIES); the replaced
-# copy is moved to $(LAB_COPIES)/backups/ and the line printed says so.
+# copy is saved in $(LAB_COPIES)/backups/ under a name no file has, and the line printed
+# says so.
 restore:
 	@$(PYTHON) tools/learner_copies.py restore $(NB)
 

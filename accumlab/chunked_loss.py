@@ -185,6 +185,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph=True: autograd records this backward
+            raise RuntimeError(
+                "ChunkedNextTokenLoss does not support a double backward (create_graph=True, "
+                "e.g. a gradient penalty or a Hessian-vector product): its gradients are "
+                "computed in the forward without a graph, so a gradient of them would be "
+                "silently zero. Use NextTokenLoss on head(hidden_states) for a double "
+                "backward; an ordinary backward through this loss still works"
+            )
         if ctx.used:
             raise RuntimeError(
                 "ChunkedNextTokenLoss: a second backward pass through the same loss "
@@ -226,6 +234,10 @@ class ChunkedNextTokenLoss:
     one hidden-sized and one head-sized gradient. ``chunk_size=None`` takes
     ``default_chunk_size(V, device)``: a fixed number of bytes of float32 logits per chunk
     (8 MiB on a CPU, 64 MiB on a GPU) at any vocabulary.
+
+    One backward per ``loss_sum``, and no double backward: a backward with
+    ``create_graph=True`` (a gradient penalty) raises ``RuntimeError``, since the kept
+    gradients have no graph; use ``NextTokenLoss`` for that.
 
     With data parallelism the hidden states must come out of the wrapped model's forward
     (a module whose ``forward`` returns them, wrapped whole), so the wrapper sees the

@@ -7,8 +7,9 @@
 
 Exit codes: 0 success; 1 a failed check, a file that cannot be written, no intact
 checkpoint to resume from, or a run that failed; 2 bad arguments, or settings that
-differ from the checkpoint's on resume; 130 interrupted (Ctrl-C). Each failure is one
-line on stderr, never a traceback.
+differ from the checkpoint's on resume; 130 interrupted (Ctrl-C, also while it starts).
+Each failure is one line on stderr, never a traceback (a bad flag value: argparse's usage,
+then one line naming the flag and the values it takes).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from . import _startup
 
 #: Where records go when ``--record`` is given without a path (relative to the current
 #: directory; ignored by git in the repository).
@@ -500,6 +503,36 @@ def _plain(text: str) -> str:
     return re.sub(r"(?::\w+:)?`+([^`]+)`+", r"\1", text)
 
 
+#: The largest ``--seed``: ``torch.manual_seed`` takes 0 to 2**64 - 1 as they are (and
+#: -2**63 to -1 remapped onto that range, so ``--seed`` refuses those: one seed, one name).
+MAX_SEED = 2**64 - 1
+
+
+def _whole_number(text: str, low: int, high: int | None, what: str) -> int:
+    """``text`` as an int in [low, high] (argparse ``type=``); anything else is a usage
+    error naming ``what`` may be (argparse puts the flag in front)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    return value
+
+
+def parse_positive_int(text: str) -> int:
+    """argparse ``type=`` for a count or size: a whole number, at least 1."""
+    return _whole_number(text, 1, None, "a whole number, at least 1")
+
+
+def parse_seed(text: str) -> int:
+    """argparse ``type=`` for a seed: a whole number from 0 to :data:`MAX_SEED`, checked
+    before torch sees it (``torch.manual_seed(2**64)`` fails with "Overflow when unpacking
+    long long", naming no flag)."""
+    return _whole_number(text, 0, MAX_SEED, f"a whole number from 0 to {MAX_SEED} (2**64 - 1, "
+                                            "the seeds torch.manual_seed takes)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -517,22 +550,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(run=_env)
 
     p = sub.add_parser("plan", help="accumulation steps for a target effective batch")
-    p.add_argument("--effective", type=int, required=True, help="examples per update")
-    p.add_argument("--micro", type=int, required=True, help="examples per microbatch (m)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (D)")
+    p.add_argument("--effective", type=parse_positive_int, required=True, help="examples per update")
+    p.add_argument("--micro", type=parse_positive_int, required=True, help="examples per microbatch (m)")
+    p.add_argument("--dp", type=parse_positive_int, default=1, help="data-parallel replicas (D)")
     p.set_defaults(run=_plan)
 
     t = sub.add_parser("train", help="train the tiny GPT on the shipped data set")
-    t.add_argument("--micro", type=int, default=4, help="examples per microbatch (m)")
-    t.add_argument("--steps", type=int, default=8, help="microbatches per window (A)")
-    t.add_argument("--updates", type=int, default=20, help="update attempts to run")
-    t.add_argument("--examples", type=int, default=None, help="use only the first N examples")
+    t.add_argument("--micro", type=parse_positive_int, default=4, help="examples per microbatch (m)")
+    t.add_argument("--steps", type=parse_positive_int, default=8, help="microbatches per window (A)")
+    t.add_argument("--updates", type=parse_positive_int, default=20, help="update attempts to run")
+    t.add_argument("--examples", type=parse_positive_int, default=None, help="use only the first N examples")
     t.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     t.add_argument("--last-window", choices=["update", "drop"], default="update")
     t.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (positive, finite)")
     t.add_argument("--clip", type=float, default=None,
                    help="clip the window's gradient norm to this (positive, finite)")
-    t.add_argument("--seed", type=int, default=0, help="model initialisation and data shuffle")
+    t.add_argument("--seed", type=parse_seed, default=0,
+                   help=f"model initialisation and data shuffle (0 to {MAX_SEED})")
     t.add_argument("--record", nargs="?", const=AUTO_RECORD, default=None, metavar="PATH",
                    help=f"write the run record as JSON to PATH, a regular file or a symlink "
                         f"to one (alone: {RUNS_DIR}/train-YYYYMMDD-HHMMSS.json); checked "
@@ -543,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help=f"write checkpoints to DIR (e.g. {RUNS_DIR}/ckpt): after every "
                         "--checkpoint-every update attempts and after the last one")
-    t.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+    t.add_argument("--checkpoint-every", type=parse_positive_int, default=None, metavar="N",
                    help="update attempts between checkpoints (needs --checkpoint-dir)")
     t.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint-dir (fresh start "
@@ -610,7 +644,7 @@ def _ignoring_sigint() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _interrupted(args: argparse.Namespace) -> str:
+def _interrupted(args: argparse.Namespace | None) -> str:
     """The line printed on Ctrl-C: where the run can be continued from."""
     directory = getattr(args, "checkpoint_dir", None)
     if getattr(args, "command", None) != "train":
@@ -628,10 +662,12 @@ def _interrupted(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = None
     with _one_line_warnings() as lines:
-        args.warning_lines = lines
         try:
+            _startup.command_started()  # Ctrl-C now raises KeyboardInterrupt, reported below
+            args = build_parser().parse_args(argv)
+            args.warning_lines = lines
             return int(args.run(args))
         except KeyboardInterrupt:
             with _ignoring_sigint():  # a second Ctrl-C while the line is printed: no traceback

@@ -25,17 +25,19 @@ from pathlib import Path
 import torch.distributed as dist
 
 from accumlab import distributed
+from accumlab.cli import parse_positive_int, parse_seed
 from accumlab.course import workers
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--examples", type=int, default=64, help="first N examples of the data set")
-    p.add_argument("--micro", type=int, default=4, help="examples per microbatch (m)")
-    p.add_argument("--steps", type=int, default=2, help="microbatches per window (A)")
+    count = parse_positive_int  # a whole number >= 1, else a usage error naming the flag
+    p.add_argument("--examples", type=count, default=64, help="first N examples of the data set")
+    p.add_argument("--micro", type=count, default=4, help="examples per microbatch (m)")
+    p.add_argument("--steps", type=count, default=2, help="microbatches per window (A)")
     p.add_argument("--fsdp2", action="store_true", help="shard with fully_shard instead of DDP")
-    p.add_argument("--nproc", type=int, default=2, help="local processes when not under torchrun")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nproc", type=count, default=2, help="local processes when not under torchrun")
+    p.add_argument("--seed", type=parse_seed, default=0, help="0 to 2**64 - 1")
     p.add_argument("--record", default=None, help="write the run record (JSON) here")
     return p.parse_args(argv)
 

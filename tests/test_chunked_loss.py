@@ -548,6 +548,47 @@ def test_a_second_backward_through_one_loss_is_refused():
         loss.backward()
 
 
+def gradient_penalty_grads(loss_of, model: TiedLM, ids: Tensor) -> Tensor:
+    """The gradient of ``loss + |d loss / d hidden|^2`` with respect to the mixing layer
+    (a gradient penalty: the double backward of the loss)."""
+    model.zero_grad(set_to_none=True)
+    hidden = model.hidden(ids)
+    loss = loss_of(hidden)
+    (grad_hidden,) = torch.autograd.grad(loss, hidden, create_graph=True)
+    (loss + grad_hidden.pow(2).sum()).backward()
+    return model.mix.weight.grad.detach().clone()
+
+
+def test_a_double_backward_is_refused_not_a_silent_zero():
+    """autograd.grad(loss, hidden, create_graph=True) asks for the graph of the gradient
+    (a gradient penalty, a Hessian-vector product). The chunked loss computes its gradient
+    in the forward, without a graph, so the penalty's own gradient would be lost; it must
+    say so and name the loss that supports it, not return a gradient with no graph."""
+    torch.manual_seed(6)
+    vocab, width, m, t = 29, 5, 3, 7
+    model = TiedLM(vocab, width, tied=False, bias=True).to(torch.float64)
+    ids = torch.randint(0, vocab, (m, t))
+    batch = {"labels": labels_for(m, t, vocab, seed=6)}
+    # the reference: plain cross-entropy, whose double backward is autograd's
+    plain = gradient_penalty_grads(lambda h: al.NextTokenLoss().loss_sum(model.head(h), batch),
+                                   model, ids)
+    first_order = loss_and_grads(model, ids, batch["labels"], chunked=False, chunk=None)[1]
+    penalty_part = plain - 0.37**-1 * first_order["mix.weight"]
+    assert float(penalty_part.abs().max()) > 1e-3 * float(plain.abs().max())  # not nothing
+    chunked = al.ChunkedNextTokenLoss(model.head, chunk_size=4)
+    hidden = model.hidden(ids)
+    loss = chunked.loss_sum(hidden, batch)
+    with pytest.raises(RuntimeError, match=r"double backward.*NextTokenLoss"):
+        torch.autograd.grad(loss, hidden, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"double backward.*NextTokenLoss"):
+        loss.backward(create_graph=True)
+    # the refusal leaves the loss usable: an ordinary backward gives plain cross-entropy's
+    model.zero_grad(set_to_none=True)
+    (loss * 0.37).backward()
+    torch.testing.assert_close(model.mix.weight.grad, first_order["mix.weight"], rtol=1e-10,
+                               atol=0)
+
+
 def test_a_bfloat16_model_without_autocast_gets_bfloat16_gradients_close_to_the_materialized():
     torch.manual_seed(5)
     model = TiedLM(97, 16, tied=False, bias=True).to(torch.bfloat16)

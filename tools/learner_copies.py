@@ -10,23 +10,49 @@ conflict with them.
     python tools/learner_copies.py restore 03        # a fresh copy of notebook 03 (yours kept as a backup)
     python tools/learner_copies.py restore all       # a fresh copy of every notebook
 
-``restore`` never deletes a learner's work: the replaced copy is moved to
-``my-notebooks/backups/<name>.<timestamp>.ipynb`` first, and the line it prints says so.
-Standard library only: it runs before anything else is installed.
+``restore`` never deletes a learner's work: the replaced copy is saved as
+``my-notebooks/backups/<name>.<timestamp>.ipynb`` first (``...-2.ipynb``, ``-3``, ... when
+a restore in the same second took that name: a backup never replaces a file), and the line
+it prints says so. Standard library only: it runs before anything else is installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
+import os
 import shutil
+import stat
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 ROOT = Path(__file__).resolve().parents[1]
 COURSE = "notebooks"
 COPIES = "my-notebooks"
 BACKUPS = "backups"
+
+
+class NotAFolderError(Exception):
+    """Something other than a folder (a file, a broken link) is where a folder goes."""
+
+
+def _make_folder(folder: Path, root: Path) -> None:
+    """Create ``folder`` (one level) unless it is a folder already. Anything else in its
+    place is left alone: :class:`NotAFolderError` names it and the way out."""
+    try:
+        folder.mkdir(exist_ok=True)
+    except FileExistsError:
+        shown = folder.relative_to(root).as_posix()
+        kind = "a broken symlink" if folder.is_symlink() and not folder.exists() else "a file"
+        raise NotAFolderError(
+            f"{shown} is {kind}, not a folder; the learner's notebooks go in that folder, so "
+            f"move it away (e.g. mv {shown} {shown}.old) and run the command again"
+        ) from None
 
 
 def course_notebooks(root: Path) -> list[Path]:
@@ -41,7 +67,7 @@ def sync(root: Path = ROOT) -> list[Path]:
     is the learner's. A lesson added to the course later is copied on the next call.
     """
     target = root / COPIES
-    target.mkdir(exist_ok=True)
+    _make_folder(target, root)
     made = []
     for source in course_notebooks(root):
         copy = target / source.name
@@ -55,7 +81,7 @@ def _matching(root: Path, names: list[str]) -> list[Path]:
     lessons = course_notebooks(root)
     if names == ["all"]:
         return lessons
-    chosen = []
+    chosen: list[Path] = []
     for name in names:
         found = [p for p in lessons if p.name.startswith(name) or p.stem == name]
         if len(found) != 1:
@@ -63,60 +89,122 @@ def _matching(root: Path, names: list[str]) -> list[Path]:
             what = "matches no lesson" if not found else f"matches {len(found)} lessons"
             raise ValueError(f"restore: {name!r} {what}; give a number such as 03, a full "
                              f"name, or 'all' (lessons: {known})")
-        chosen.extend(found)
+        if found[0] not in chosen:  # "03 03": one restore, not a backup of the fresh copy
+            chosen.extend(found)
     return chosen
 
 
-def restore(names: list[str], root: Path = ROOT, now: float | None = None) -> list[str]:
+def _new_backup(backups: Path, stem: str, stamp: str) -> tuple[Path, BinaryIO]:
+    """Create and open a new, empty backup file: ``<stem>.<stamp>.ipynb``, else the first
+    free ``<stem>.<stamp>-N.ipynb`` (N = 2, 3, ...). Exclusive creation (``O_EXCL``): it is
+    never a file that exists, even when another restore picks a name at the same moment."""
+    for n in itertools.count(1):
+        path = backups / f"{stem}.{stamp}{'' if n == 1 else f'-{n}'}.ipynb"
+        try:
+            return path, open(path, "xb")  # the caller closes it
+        except FileExistsError:
+            continue
+    raise AssertionError("itertools.count never ends")
+
+
+def _back_up(copy: Path, root: Path, stamp: str) -> tuple[Path, float] | None:
+    """Copy the learner's ``copy`` into a new file in ``my-notebooks/backups/``, flushed
+    to disk; return the backup and the copy's last-saved time (the backup keeps it), or
+    ``None`` when there is no copy. The copy itself is left in place."""
+    try:
+        mine = open(copy, "rb")  # closed by the with below
+    except FileNotFoundError:
+        return None
+    backups = root / COPIES / BACKUPS
+    with mine:
+        _make_folder(backups, root)
+        saved = os.fstat(mine.fileno())
+        kept, backup = _new_backup(backups, copy.stem, stamp)
+        with backup:
+            shutil.copyfileobj(mine, backup)
+            backup.flush()
+            os.fsync(backup.fileno())
+    os.chmod(kept, stat.S_IMODE(saved.st_mode))  # the copy's permissions and times
+    os.utime(kept, ns=(saved.st_atime_ns, saved.st_mtime_ns))
+    return kept, saved.st_mtime
+
+
+def _fresh_copy(source: Path, copy: Path) -> None:
+    """Put a copy of ``source`` at ``copy`` in one rename, so that a concurrent reader
+    (another restore backing it up) sees the old file or the new one, never a mix."""
+    fd, tmp = tempfile.mkstemp(dir=copy.parent, prefix=f".{copy.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out, open(source, "rb") as lesson:
+            shutil.copyfileobj(lesson, out)
+        shutil.copystat(source, tmp)
+        os.replace(tmp, copy)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def restore(names: list[str], root: Path = ROOT, now: float | None = None,
+            report: Callable[[str], object] | None = None) -> list[str]:
     """Replace the learner's copies of ``names`` (``["03"]``, ``["all"]``) with fresh ones.
 
-    The replaced copy is moved to ``my-notebooks/backups/`` first. Returns one line per
-    notebook saying what was replaced and where the old copy went.
+    The replaced copy is saved in ``my-notebooks/backups/`` first, under a name no file
+    has (see :func:`_new_backup`); a lesson named twice is restored once. Returns one line
+    per notebook saying what was replaced and where the old copy went; ``report`` gets
+    each line as soon as it is true (so a failure later does not hide a backup made).
     """
     if not names:
         raise ValueError("restore: name a lesson (03, 03_amp_gradscaler) or 'all'")
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    lessons = _matching(root, names)
     target = root / COPIES
-    target.mkdir(exist_ok=True)
+    _make_folder(target, root)
     lines = []
-    for source in _matching(root, names):
+    for source in lessons:
         copy = target / source.name
-        if copy.exists():
-            backups = target / BACKUPS
-            backups.mkdir(exist_ok=True)
-            kept = backups / f"{source.stem}.{stamp}.ipynb"
-            copy.replace(kept)
-            saved = time.strftime("%Y-%m-%d %H:%M", time.localtime(kept.stat().st_mtime))
+        backed_up = _back_up(copy, root, stamp)
+        _fresh_copy(source, copy)
+        if backed_up is not None:
+            kept, mtime = backed_up
+            saved = time.strftime("%Y-%m-%d %H:%M", time.localtime(mtime))
             lines.append(f"replaced {COPIES}/{source.name} (your copy, last saved {saved}) "
                          f"with a fresh copy of {COURSE}/{source.name}; yours is kept as "
                          f"{COPIES}/{BACKUPS}/{kept.name}")
         else:
             lines.append(f"created {COPIES}/{source.name} from {COURSE}/{source.name} "
                          "(there was no copy to replace)")
-        shutil.copy2(source, copy)
+        if report is not None:
+            report(lines[-1])
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
+    """The command line; ``root`` is the repository (this checkout unless a test says)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("sync", help="copy the lessons that have no copy yet; never overwrite")
     rest = sub.add_parser("restore", help="a fresh copy of some lessons (yours kept as a backup)")
     rest.add_argument("names", nargs="*", help="lesson numbers or names, or 'all'")
     args = parser.parse_args(argv)
-    if args.command == "sync":
-        made = sync()
-        kept = len(course_notebooks(ROOT)) - len(made)
-        print(f"your notebooks are in {COPIES}/ (git-ignored: your answers stay yours): "
-              f"{len(made)} copied from {COURSE}/, {kept} already there and left as they are"
-              + ("" if not kept else "; `make restore NB=03` gives a fresh copy of one"))
-        return 0
     try:
-        for line in restore(args.names):
-            print(line)
+        if args.command == "restore":
+            restore(args.names, root=root, report=print)
+            return 0
+        made = sync(root)
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2
+    except NotAFolderError as error:
+        print(error, file=sys.stderr)
+        return 1
+    except OSError as error:  # a permission, a full disk: one line, not a traceback
+        where = f" ({error.filename})" if error.filename else ""
+        print(f"{args.command}: {error.strerror or error}{where}", file=sys.stderr)
+        return 1
+    kept = len(course_notebooks(root)) - len(made)
+    print(f"your notebooks are in {COPIES}/ (git-ignored: your answers stay yours): "
+          f"{len(made)} copied from {COURSE}/, {kept} already there and left as they are"
+          + ("" if not kept else "; `make restore NB=03` gives a fresh copy of one"))
     return 0
 
 
