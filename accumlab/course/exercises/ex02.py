@@ -3,6 +3,8 @@
 - ``window_token_loss``: write ``window_token_loss(microbatch_logits, microbatch_labels)``
   that returns the window's token-mean next-token loss (a 0-d tensor): every supervised
   target of every microbatch weighted the same; ``None`` for a window without any target.
+  A microbatch without targets may be kept or skipped: its logits' gradient is then zero
+  or ``None``, and the checker counts ``None`` as zero.
 - ``window_weighted_loss`` (transfer): the same window when every row carries a weight
   (a data source up- or down-weighted) and each of its targets counts that many times:
   ``sum(w_r × token loss) / sum(w_r × targets of row r)``; ``None`` when that count is 0.
