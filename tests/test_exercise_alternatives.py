@@ -341,3 +341,37 @@ def test_every_code_exercise_of_00_to_03_has_two_alternatives() -> None:
 def test_a_prediction_written_another_way_passes(exercise: Any, answers: tuple) -> None:
     for answer in answers:
         assert exercise.checker(answer) is None, answer
+
+
+def weighted_update_clearing_first(model, window, optimizer, scheduler=None):
+    optimizer.zero_grad(set_to_none=True)  # clears the stale .grad, also when it returns
+    total = sum(float(mb["weight"].sum()) for mb in window)
+    if total == 0:
+        return None
+    loss_sum = 0.0
+    for mb in window:
+        ce = F.cross_entropy(model(mb["x"]), mb["labels"], reduction="none")
+        part = (mb["weight"] * ce).sum()
+        (part / total).backward()
+        loss_sum += float(part.detach())
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+    return loss_sum / total
+
+
+def test_a_zero_weight_window_may_clear_or_keep_the_stale_gradient() -> None:
+    """The text leaves it open; both an answer that clears ``.grad`` before it counts and
+    ones that return first pass, and writing a gradient there is named."""
+    assert ex01.weighted_window_update.checker(weighted_update_clearing_first) is None
+    assert ex01.weighted_window_update.checker(weighted_update_one_graph) is None
+
+    def writes_zero_window(model, window, optimizer, scheduler=None):
+        if sum(float(mb["weight"].sum()) for mb in window) == 0:
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 0.5)
+            return None
+        return weighted_update_one_graph(model, window, optimizer, scheduler)
+
+    assert ".grad was written" in ex01.weighted_window_update.checker(writes_zero_window)
