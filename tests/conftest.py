@@ -264,3 +264,16 @@ def capture(model: nn.Module) -> CaptureOptimizer:
     """A :class:`CaptureOptimizer` over ``model``'s parameters, keyed by name."""
     named = list(model.named_parameters())
     return CaptureOptimizer([p for _, p in named], [n for n, _ in named])
+
+
+# --------------------------------------------------------------------------- exercises
+
+
+@pytest.fixture(autouse=True)
+def _exercise_messages_on_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkers print their verdicts and hints wrapped at 88 characters for the notebooks;
+    tests read them on one line, so a phrase they look for is never cut by a line break.
+    ``tests/test_exercise_messages.py`` checks the wrapping itself."""
+    import accumlab.course.exercises as exercises
+
+    monkeypatch.setattr(exercises, "WIDTH", None)

@@ -58,8 +58,30 @@ RIGHT_ORDER = ("unscale", "clip", "step", "update", "zero")
 
 def test_window_boundary_passes_the_reference(capsys):
     assert ex03.window_boundary.check(ex03.reference_window_boundary)
-    assert ex03.window_boundary.check(_boundary(*RIGHT_ORDER))
-    assert capsys.readouterr().out.count("✅ window_boundary: correct") == 2
+    assert capsys.readouterr().out.count("✅ window_boundary: correct") == 1
+
+
+def test_the_numbered_block_plus_isfinite_fails_on_an_overflow_the_scaler_misses(capsys):
+    """Notebook 03's numbered boundary (clip and step every window) with
+    ``math.isfinite(norm)`` is no answer: at a scale below 1 a gradient that overflows only
+    when unscaled is clipped into nan and stepped on, since the scaler found no inf."""
+    assert not ex03.window_boundary.check(_boundary(*RIGHT_ORDER))
+    out = capsys.readouterr().out
+    assert "the scaler found no inf and scaler.step stepped" in out, out
+
+
+def test_the_reference_boundary_reports_what_the_optimizer_did():
+    """``applied`` is True exactly when optimizer.step() ran, on all three windows the
+    checker builds, the overflow the scaler misses included."""
+    for seed, poison, overflow in ((3, False, False), (4, True, False), (5, False, True)):
+        model, window = ex03._case(seed)
+        log, _, error = ex03._run(
+            ex03.reference_window_boundary, model, window, 0.01, poison, overflow
+        )
+        assert error is None
+        applied, norm = log.returned
+        assert applied == ("optimizer.step" in log.calls) == math.isfinite(norm)
+        assert applied == (not poison and not overflow)
 
 
 @pytest.mark.parametrize(

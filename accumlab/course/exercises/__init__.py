@@ -9,18 +9,73 @@ The committed notebooks ship every exercise unsolved: the learner's cell holds a
 that raises ``NotImplementedError`` (or a value left as ``...``). ``check`` recognises a
 stub and prints a stable "not attempted yet" line that says how to get a hint and the
 solution, so a notebook runs top to bottom before anyone has answered.
+
+Two rules hold for every checker, here so that each one gets them:
+
+- a ``None`` gradient counts as zero: a tensor that no loss reached (a microbatch without
+  targets that an answer skipped) has ``.grad is None``, which is mathematically a zero
+  gradient; compare gradients through :func:`grad_or_zero` / :func:`grads_close`;
+- what ``check``, ``hint`` and a prediction's reasoning print is wrapped at :data:`WIDTH`
+  characters (:func:`wrap`), so a notebook or the site shows it without scrolling.
 """
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 #: The verdict printed for a stub; tests and notebooks rely on this exact wording.
 NOT_ATTEMPTED = "not attempted yet"
+
+#: The widest line ``check``, ``hint`` and a prediction's reasoning print (characters);
+#: ``None`` prints every message on one line.
+WIDTH: int | None = 88
+
+#: How continuation lines of a wrapped message are indented.
+INDENT = "   "
+
+
+def wrap(text: str, width: int | None = None, indent: str = INDENT) -> str:
+    """``text`` with every line longer than ``width`` (default :data:`WIDTH`) broken at
+    spaces, its continuation lines indented by ``indent``. Shorter lines, and so the line
+    breaks already in ``text``, are kept; a word longer than ``width`` is never split."""
+    width = WIDTH if width is None else width
+    if width is None:
+        return text
+    lines = []
+    for line in text.split("\n"):
+        if len(line) <= width:
+            lines.append(line)
+            continue
+        lead = line[: len(line) - len(line.lstrip())]
+        lines += textwrap.wrap(
+            line, width=width, subsequent_indent=lead + indent,
+            break_long_words=False, break_on_hyphens=False,
+        )
+    return "\n".join(lines)
+
+
+def grad_or_zero(tensor: Tensor) -> Tensor:
+    """``tensor.grad``, or zeros of its shape when it is ``None``: a tensor no loss reached
+    (a microbatch without targets that the answer skipped) has a zero gradient."""
+    if tensor.grad is None:
+        return torch.zeros_like(tensor)
+    return tensor.grad
+
+
+def grads_close(
+    got: Tensor, expected: Tensor, *, rtol: float = 1e-4, atol: float = 1e-7
+) -> bool:
+    """Whether ``got.grad`` matches ``expected.grad`` (``torch.allclose``), either of them
+    ``None`` counting as zero. Compared in float64, so an answer computed in float64 and
+    one in float32 are judged by the same tolerance."""
+    a, b = grad_or_zero(got).double(), grad_or_zero(expected).double()
+    return a.shape == b.shape and torch.allclose(a, b, rtol=rtol, atol=atol)
 
 
 def fills_grad_only(model: Any, weights_before: dict[str, Any], where: str) -> str | None:
@@ -57,11 +112,11 @@ class Exercise:
         return f"{self.checker.__module__.rsplit('.', 1)[-1]}.{self.name}"
 
     def _not_attempted(self) -> bool:
-        print(
+        print(wrap(
             f"⏳ {self.name}: {NOT_ATTEMPTED}. Replace the stub above with your answer and run "
             f"this cell again; {self.path}.hint() gives a hint, {self.path}.solution() "
             "shows the answer."
-        )
+        ))
         return False
 
     def check(self, answer: Any) -> bool:
@@ -77,13 +132,13 @@ class Exercise:
         if problem is None:
             print(f"✅ {self.name}: correct")
             return True
-        print(f"❌ {self.name}: {problem}")
+        print(wrap(f"❌ {self.name}: {problem}"))
         return False
 
     def hint(self, n: int = 1) -> None:
         """Print the first ``n`` hints."""
         for i, text in enumerate(self.hints[:n], 1):
-            print(f"hint {i}/{len(self.hints)}: {text}")
+            print(wrap(f"hint {i}/{len(self.hints)}: {text}"))
 
     def solution(self) -> None:
         """Print the reference solution."""

@@ -28,7 +28,8 @@ from .predictions import number_prediction
 def reference_accumulation_steps(
     effective_batch_size: int, micro_batch_size: int, data_parallel_size: int = 1
 ) -> int:
-    """A = effective / (m × D); ValueError when m × D does not divide the effective batch."""
+    """A = effective / (m × D); ValueError when m × D does not divide the effective
+    batch."""
     per_window = micro_batch_size * data_parallel_size
     steps, remainder = divmod(effective_batch_size, per_window)
     if remainder or steps == 0:
@@ -107,7 +108,9 @@ def reference_replicas(
     per_replica = tensor_parallel_size * pipeline_parallel_size
     d, remainder = divmod(gpus, per_replica)
     if remainder or d == 0:
-        raise ValueError(f"{gpus} GPUs do not split into model copies of T × P = {per_replica}")
+        raise ValueError(
+            f"{gpus} GPUs do not split into model copies of T × P = {per_replica}"
+        )
     return d
 
 

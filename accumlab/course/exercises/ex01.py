@@ -12,9 +12,11 @@
 - ``weighted_window_update`` (a whole window, transfer): ``weighted_window_update(model,
   window, optimizer, scheduler) -> float | None`` for a window whose examples carry weights
   (``mb["weight"]``): one update of the weighted mean cross-entropy, ``sum(w · ce) /
-  sum(w)`` over the whole window, from a clean ``.grad`` to a clean ``.grad``, the scheduler
-  advanced once; it returns the window's weighted mean loss, or ``None`` (and changes
-  nothing) when the window's weights add up to 0.
+  sum(w)`` over the whole window; ``.grad`` may hold a stale gradient when it is called
+  and must be clear after; the scheduler advanced once; it returns the window's weighted
+  mean loss, or ``None`` when the window's weights add up to 0 (no step of the optimizer
+  or the scheduler, the weights unchanged; the stale ``.grad`` may stay or be cleared).
+  A microbatch holds ``"x"`` (m × 6 features), ``"labels"`` (m classes), ``"weight"``.
 - Predict first: ``undivided_gradient`` (the one-weight example without the division by
   ``A``) and ``adamw_ratio`` (AdamW's update without / with the division by ``A``).
 
@@ -256,7 +258,7 @@ def reference_weighted_window_update(
     backpropagates sum(w · ce) / (the window's total weight); one step, then clean .grad
     and one scheduler step. Returns the window's weighted mean loss, or None when the
     window's weights add up to 0 (then nothing changes)."""
-    total = sum(float(mb["weight"].sum()) for mb in window)  # the denominator, before forward
+    total = sum(float(mb["weight"].sum()) for mb in window)  # known before any forward
     if total == 0:
         return None
     optimizer.zero_grad(set_to_none=True)
@@ -394,6 +396,8 @@ def check_weighted_window_update(answer: Callable[..., Any]) -> str | None:
         torch.manual_seed(23)
         model = MLP(6, 10, 3)
         state = {k: v.clone() for k, v in model.state_dict().items()}
+        for p in model.parameters():  # a stale gradient: clearing it or not are both fine
+            p.grad = torch.ones_like(p)
         optimizer = _CountingSGD(model.parameters(), lr=lr)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: 1.0 / (u + 1))
         got_loss = answer(model, _weighted_window(24, [2, 3], zero=(0, 1)), optimizer, scheduler)
@@ -404,6 +408,10 @@ def check_weighted_window_update(answer: Callable[..., Any]) -> str | None:
             return f"{where}: the weights changed"
         if got_loss is not None:
             return f"{where}: returned {got_loss!r}; return None (no loss to report)"
+        if any(p.grad is not None and not torch.equal(p.grad, torch.ones_like(p))
+               and bool(p.grad.any()) for p in model.parameters()):
+            return (f"{where}: .grad was written; there is nothing to backpropagate (leave "
+                    "the stale gradient or clear it)")
     return None
 
 

@@ -3,6 +3,8 @@
 - ``window_token_loss``: write ``window_token_loss(microbatch_logits, microbatch_labels)``
   that returns the window's token-mean next-token loss (a 0-d tensor): every supervised
   target of every microbatch weighted the same; ``None`` for a window without any target.
+  A microbatch without targets may be kept or skipped: its logits' gradient is then zero
+  or ``None``, and the checker counts ``None`` as zero.
 - ``window_weighted_loss`` (transfer): the same window when every row carries a weight
   (a data source up- or down-weighted) and each of its targets counts that many times:
   ``sum(w_r × token loss) / sum(w_r × targets of row r)``; ``None`` when that count is 0.
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...objectives import NextTokenLoss
-from . import Exercise
+from . import Exercise, grads_close
 from .predictions import choice_prediction, number_prediction
 
 IGNORE = -100
@@ -175,7 +177,7 @@ def _check_window_token_loss(answer: WindowLoss) -> str | None:
         reference = [x.clone().requires_grad_(True) for x in logits]
         reference_window_token_loss(reference, labels).backward()
         for i, (a, b) in enumerate(zip(mine, reference, strict=True)):
-            if a.grad is None or not torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-7):
+            if not grads_close(a, b):  # a skipped microbatch's None counts as zero
                 return f"the value is right but the gradient of microbatch {i}'s logits is not"
     return _check_empty_window(answer)
 
@@ -224,10 +226,10 @@ def reference_window_weighted_loss(
     microbatch_labels: Sequence[Tensor],
     microbatch_weights: Sequence[Tensor],
 ) -> Tensor | None:
-    """The window's weighted token mean: every target of row r counts ``weights[r]`` times
-    (a data source up- or down-weighted), so the loss is sum(w_r × token loss) over the
-    window's targets divided by sum(w_r × targets of row r). A 0-d tensor, or None when
-    that weighted count is 0 (nothing to learn)."""
+    """The window's weighted token mean: every target of row r counts ``weights[r]``
+    times (a data source up- or down-weighted), so the loss is sum(w_r × token loss)
+    over the window's targets divided by sum(w_r × targets of row r). A 0-d tensor, or
+    None when that weighted count is 0 (nothing to learn)."""
     denominator = sum(
         float((weights * (labels[:, 1:] != -100).sum(dim=1)).sum())
         for labels, weights in zip(microbatch_labels, microbatch_weights, strict=True)
@@ -325,7 +327,7 @@ def _check_window_weighted_loss(answer: WeightedLoss) -> str | None:
         reference = [x.clone().requires_grad_(True) for x in logits]
         reference_window_weighted_loss(reference, labels, weights).backward()
         for i, (a, b) in enumerate(zip(mine, reference, strict=True)):
-            if a.grad is None or not torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-7):
+            if not grads_close(a, b):  # a skipped microbatch's None counts as zero
                 return f"the value is right but the gradient of microbatch {i}'s logits is not"
     # a window with targets only in rows of weight 0: nothing to learn
     logits, labels, weights = _weighted_case(30)

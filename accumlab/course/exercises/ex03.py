@@ -3,15 +3,20 @@
 - ``window_boundary``: write the end of an fp16 accumulation window,
   ``window_boundary(model, optimizer, scaler, max_norm) -> tuple[bool, float]``. When it is
   called, every microbatch of the window has already backpropagated ``scaler.scale(loss)``,
-  so each ``.grad`` holds the window's gradient multiplied by the scale. Clip the combined
-  true gradient to ``max_norm``, let the scaler step and update, clear the gradients, and
-  return ``(applied, norm)``: whether the update was applied and the total norm of the true
-  (unscaled) gradient before clipping (a float; inf or nan when a gradient entry is).
+  so each ``.grad`` holds the window's gradient multiplied by the scale. Unscale once and
+  measure the total norm of the true gradient; when it is finite, clip the combined
+  gradient to ``max_norm`` and step through the scaler; when it is not, neither clip nor
+  step (the time-line of a skipped window in notebook 03); in both cases update the scale
+  and clear the gradients. Return ``(applied, norm)``: whether ``optimizer.step()`` ran
+  and the norm before clipping (a float; inf or nan when a gradient entry is).
 
   The checker runs the answer on a fresh MLP whose window was accumulated under fp16
-  autocast with a recording GradScaler and optimizer, once with finite gradients and once
-  with an inf injected into one gradient, and compares the weights, the scale, the call
-  order and the returned pair with the reference. Its messages name the usual mistakes:
+  autocast with a recording GradScaler and optimizer: with finite gradients, with an inf
+  injected into one gradient, and with a scale below 1 (``init_scale=2**-4``) and a finite
+  scaled gradient that overflows to inf only when unscaled, which the scaler does not
+  notice (``scaler.step`` alone would step on it). It compares the weights, the scale,
+  the call order and the returned pair with the reference. Its messages name the usual
+  mistakes:
   clipping before unscaling (the clip then sees gradients multiplied by the scale),
   stepping the optimizer directly (an inf gradient then reaches the weights), updating the
   scale before the step, clearing the gradients too early, unscaling twice, the norm
@@ -52,6 +57,8 @@ RTOL = 1e-5
 #: The order the checker expects, as the recording scaler and optimizer log it (the clip
 #: is checked by the norm of the gradient the optimizer receives, not by a log entry).
 EXPECTED = ["unscale_", "scaler.step", "optimizer.step", "update", "zero_grad"]
+#: A scale below 1: unscaling multiplies, so a finite scaled gradient can overflow.
+SMALL_SCALE = 2.0**-4
 
 
 def reference_window_boundary(
@@ -60,15 +67,18 @@ def reference_window_boundary(
     scaler: torch.amp.GradScaler,
     max_norm: float,
 ) -> tuple[bool, float]:
-    """The end of an fp16 window; returns (applied, true gradient norm before clipping)."""
-    scaler.unscale_(optimizer)  # once, after the last backward: .grad is now the true gradient
-    # clip the combined, unscaled gradient; clip_grad_norm_ returns the norm it measured
-    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-    applied = math.isfinite(norm)  # finite exactly when every gradient entry is
-    scaler.step(optimizer)  # makes no optimizer.step() when unscale_ found an inf or nan
-    scaler.update()  # grows the scale, or backs it off after a skip
+    """The end of an fp16 window; returns (applied, the true gradient's norm before
+    clipping)."""
+    scaler.unscale_(optimizer)  # once, after the last backward: now the true gradient
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)  # inf or nan when any entry is
+    applied = math.isfinite(norm)
+    if applied:  # a non-finite gradient is neither clipped nor stepped on
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+        scaler.step(optimizer)
+    scaler.update()  # grows the scale, or backs it off after an inf it found
     optimizer.zero_grad(set_to_none=True)  # the next window starts from nothing
-    return applied, norm
+    return applied, float(norm)
 
 
 class _Log:
@@ -81,8 +91,8 @@ class _Log:
 
 
 class _RecordingScaler(torch.amp.GradScaler):
-    def __init__(self, log: _Log) -> None:
-        super().__init__("cpu", init_scale=2.0**10)
+    def __init__(self, log: _Log, init_scale: float = 2.0**10) -> None:
+        super().__init__("cpu", init_scale=init_scale)
         self.log = log
 
     def scale(self, outputs: Any) -> Any:
@@ -140,15 +150,24 @@ def _run(
     window: list[dict[str, Tensor]],
     max_norm: float | None,
     poison: bool,
+    overflow: bool = False,
 ) -> tuple[_Log, _RecordingScaler, Exception | None]:
-    """Accumulate the window under fp16 with a recording scaler, then call ``answer``."""
+    """Accumulate the window under fp16 with a recording scaler, then call ``answer``.
+
+    ``poison`` injects an inf into one gradient. ``overflow`` runs at the scale
+    :data:`SMALL_SCALE` and sets one scaled gradient entry to a finite value that
+    unscaling (× 1 / scale) turns into inf: ``unscale_`` checks the entries before it
+    divides, so the scaler records no inf."""
     log = _Log()
-    scaler = _RecordingScaler(log)
+    scaler = _RecordingScaler(log, SMALL_SCALE if overflow else 2.0**10)
     optimizer = _RecordingSGD(model.parameters(), log)
     optimizer.zero_grad(set_to_none=True)
     guard = inject_nonfinite(next(model.parameters())) if poison else contextlib.nullcontext()
     with guard:
         accumulate(model, window, ExampleLoss(), precision="fp16", scaler=scaler)
+    if overflow:
+        first = next(model.parameters()).grad
+        first.view(-1)[0] = torch.finfo(torch.float32).max * SMALL_SCALE * 2  # finite
     log.calls.clear()  # only the boundary counts
     try:
         log.returned = answer(model, optimizer, scaler, max_norm)
@@ -277,7 +296,32 @@ def check_window_boundary(answer: Callable[..., Any]) -> str | None:
                 "with an inf gradient the scale should back off from 1024 to 512, got "
                 f"{scaler.get_scale():g}; call scaler.update() after the step"
             )
-        return _returned_problem(log.returned, False, math.inf, 2.0**10, max_norm)
+        problem = _returned_problem(log.returned, False, math.inf, 2.0**10, max_norm)
+        if problem is not None:
+            return problem
+
+        # A scale below 1: a finite scaled entry overflows when unscaled, the scaler
+        # records no inf, and only the norm shows it.
+        model, window = _case(seed=5)
+        before = [p.detach().clone() for p in model.parameters()]
+        log, scaler, error = _run(answer, model, window, max_norm, poison=False, overflow=True)
+        where = (
+            f"at scale {SMALL_SCALE:g} with a gradient that overflows to inf only when "
+            "unscaled"
+        )
+        if error is not None:
+            return f"{where} your boundary raised {type(error).__name__}: {error}"
+        if any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)):
+            return (
+                f"{where}, the weights changed: unscale_ checks the entries before it "
+                "divides, so the scaler found no inf and scaler.step stepped; decide from "
+                "the norm, and when it is not finite call neither the clip nor the step"
+            )
+        if "update" not in log.calls:
+            return f"{where} scaler.update() was not called; update the scale every window"
+        if any(p.grad is not None and bool(p.grad.any()) for p in model.parameters()):
+            return f"{where} gradients are left; clear them with optimizer.zero_grad()"
+        return _returned_problem(log.returned, False, math.inf, SMALL_SCALE, max_norm)
 
 
 def _returned_problem(
@@ -304,7 +348,7 @@ def _returned_problem(
         if applied:
             return f"applied is {got_applied!r} {where}: the update was applied"
         return (
-            f"applied is {got_applied!r} {where}: the scaler skipped the update; the norm "
+            f"applied is {got_applied!r} {where}: the update must be skipped; the norm "
             "of a gradient with an inf or nan entry is not finite, math.isfinite(norm) says so"
         )
     if applied:
@@ -336,11 +380,13 @@ window_boundary = Exercise(
     hints=(
         "Clipping compares the gradient norm with max_norm, so it must see the true "
         "gradient: scaler.unscale_(optimizer) first, once.",
-        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) returns the total norm "
-        "it measured (before clipping); it is finite exactly when every entry is.",
-        "Then scaler.step(optimizer) (it skips the update after an inf), scaler.update() "
-        "(it reads what the step found), optimizer.zero_grad(); return "
-        "(math.isfinite(norm), norm).",
+        "Measure the norm before clipping: torch.nn.utils.get_total_norm(grads) over the "
+        "existing .grad tensors. It is finite exactly when every entry is, also when "
+        "unscaling itself overflowed (which the scaler does not see when the scale is "
+        "below 1).",
+        "Finite: torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm), "
+        "then scaler.step(optimizer). Not finite: neither. Always scaler.update() and "
+        "optimizer.zero_grad(); return (math.isfinite(norm), norm).",
     ),
     reference=inspect.getsource(reference_window_boundary),
 )
@@ -353,7 +399,7 @@ def reference_scale_schedule(nonfinite, init_scale, growth_interval):
     """The scale each window's microbatches are multiplied by, window after window."""
     scale, in_a_row, used = init_scale, 0, []
     for inf in nonfinite:
-        used.append(scale)  # one scale for the whole window; it changes only in update()
+        used.append(scale)  # one scale for the whole window, changed only in update()
         if inf:  # skipped: back off, and the count of applied updates starts again
             scale, in_a_row = scale * 0.5, 0
         else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from . import Exercise
+from . import Exercise, wrap
 
 
 def _normal(text: str) -> str:
@@ -48,7 +48,7 @@ def number_prediction(
 
     check.__module__ = module
     check.__name__ = f"check_{name}"
-    return Exercise(name, check, tuple(hints), f"{reasoning}\nanswer: {expected:g}")
+    return Exercise(name, check, tuple(hints), f"{wrap(reasoning)}\nanswer: {expected:g}")
 
 
 def choice_prediction(
@@ -79,4 +79,4 @@ def choice_prediction(
 
     check.__module__ = module
     check.__name__ = f"check_{name}"
-    return Exercise(name, check, tuple(hints), f"{reasoning}\nanswer: {expected!r}")
+    return Exercise(name, check, tuple(hints), f"{wrap(reasoning)}\nanswer: {expected!r}")
