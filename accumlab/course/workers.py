@@ -294,9 +294,8 @@ def run_window_answers(
             for window in windows:
                 syncs, steps = counter.syncs, len(optimizer.seen)
                 returned = namespace[name](model, window, optimizer, NextTokenLoss())
-                out["returned"].append(
-                    returned if isinstance(returned, (bool, int)) else repr(returned)
-                )
+                plain = returned is None or isinstance(returned, (bool, int, float))
+                out["returned"].append(returned if plain else repr(returned))
                 out["syncs"].append(counter.syncs - syncs)
                 out["steps"].append(len(optimizer.seen) - steps)
                 left = any(p.grad is not None and bool(p.grad.any()) for p in model.parameters())
