@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -329,6 +330,30 @@ def _shrinks_of(plan: AccumulationPlan, shrinks: list[dict[str, int]]) -> list[d
     return out
 
 
+class RecordExtra(dict):
+    """``RunRecord.extra``: a plain dict of the fields later chapters add, except that the
+    deprecated key ``"oom_shrinks"`` still answers (with a ``DeprecationWarning``) for a
+    record built by ``from_run`` after an OOM shrink: the ledger's own shrink entries
+    (``update``, ``old_micro_batch_size``, ``new_micro_batch_size``, ``microbatches``).
+    The record states each shrink once, in ``RunRecord.shrinks``; the alias is not stored,
+    so ``to_dict``, ``to_json`` and ``to_markdown`` do not repeat it."""
+
+    def __init__(self, *args: Any, oom_shrinks: list[dict[str, int]] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._oom_shrinks = [dict(s) for s in oom_shrinks or []]
+
+    def __missing__(self, key: str) -> Any:
+        if key == "oom_shrinks" and self._oom_shrinks:
+            warnings.warn(
+                'record.extra["oom_shrinks"] is deprecated: read record.shrinks (each shrink '
+                "as the plan it changed) or ledger.shrinks (the same entries as before)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return [dict(s) for s in self._oom_shrinks]
+        raise KeyError(key)
+
+
 def _chosen(given: str | None, used: str | None, default: str) -> str:
     """The value a record shows: the caller's, else what the run used, else ``default``."""
     return given if given is not None else used if used is not None else default
@@ -357,7 +382,10 @@ class RunRecord:
     ``accumulation_steps`` (``micro_batch_size`` is the largest microbatch: an odd size
     halves into unequal pieces). ``effective_batch_size`` (examples per update) does not
     change. Without a shrink both pairs are the plan given and ``shrinks`` is empty.
-    ``extra["oom_shrinks"]`` keeps the ledger's own shrink entries, as before.
+    ``largest_microbatch`` is the most examples in one microbatch *read from the data*,
+    before any shrink (so it can exceed ``micro_batch_size`` after one). Each shrink is
+    stated once, in ``shrinks``; ``extra["oom_shrinks"]`` (the ledger's own entries) is a
+    deprecated alias that still answers but is not stored (:class:`RecordExtra`).
     """
 
     micro_batch_size: int
@@ -442,7 +470,7 @@ class RunRecord:
         ``meter``: a ``MemoryMeter`` (or a list of them, one per device) whose
         ``summary()`` goes into ``extra["memory"]`` keyed by device: the first window's
         baseline, the steady baseline, the peak, and per phase the bytes at entry and the
-        peak; the OOM shrinks of the ledger, if any, go into ``extra["oom_shrinks"]``.
+        peak. The OOM shrinks of the ledger, if any, become ``shrinks``.
         """
         if precision is not None and precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
@@ -466,8 +494,6 @@ class RunRecord:
             meters = meter if isinstance(meter, (list, tuple)) else [meter]
             memory = {str(m.device): m.summary() for m in meters}
             extra = {"memory": memory, **(extra or {})}
-        if shrinks:
-            extra = {"oom_shrinks": shrinks, **(extra or {})}
         losses = ledger.losses
         applied = [r for r in ledger.reports if r.applied]
         shrunk = _shrinks_of(plan, shrinks)
@@ -493,7 +519,7 @@ class RunRecord:
             dropped_targets=ledger.dropped_targets,
             first_loss=_finite_or_none(losses[0]) if losses else None,
             last_loss=_finite_or_none(losses[-1]) if losses else None,
-            extra=dict(extra or {}),
+            extra=RecordExtra(extra or {}, oom_shrinks=shrinks),
             scaler=settings,
             skipped_nonfinite=sum(
                 r.skipped_reason == "non-finite gradient" for r in ledger.reports

@@ -267,14 +267,37 @@ def right_window(model, window, optimizer, objective):
     count = torch.tensor(sum(objective.count(mb) for mb in window))
     dist.all_reduce(count)
     if int(count) == 0:
-        return False
+        return float("nan")
+    logged = torch.zeros(())
     for i, mb in enumerate(window):
         with contextlib.nullcontext() if i == len(window) - 1 else model.no_sync():
             logits = model(input_ids=mb["input_ids"]).logits
-            (objective.loss_sum(logits, mb) * dist.get_world_size() / count).backward()
+            part = objective.loss_sum(logits, mb)
+            (part * dist.get_world_size() / count).backward()
+        logged += part.detach()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return True
+    dist.all_reduce(logged)
+    return float(logged / count)
+
+
+def logs_local_mean(model, window, optimizer, objective):
+    # Right update, but the log is this rank's own mean (no all-reduce of the loss).
+    optimizer.zero_grad(set_to_none=True)
+    mine = sum(objective.count(mb) for mb in window)
+    count = torch.tensor(mine)
+    dist.all_reduce(count)
+    if int(count) == 0:
+        return float("nan")
+    logged = torch.zeros(())
+    for i, mb in enumerate(window):
+        with contextlib.nullcontext() if i == len(window) - 1 else model.no_sync():
+            part = objective.loss_sum(model(input_ids=mb["input_ids"]).logits, mb)
+            (part * dist.get_world_size() / count).backward()
+        logged += part.detach()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(logged) / max(mine, 1)
 
 
 def without_d(model, window, optimizer, objective):
@@ -391,8 +414,61 @@ def returns_nothing(model, window, optimizer, objective):
     optimizer.zero_grad(set_to_none=True)
 
 
+def forward_only_no_sync(model, window, optimizer, objective):
+    # Written from the exercise text in another style (issue 26): no_sync around the
+    # forward only (the notebook measures that this is enough), a float64 count and log,
+    # gradients zeroed rather than set to None, None for the window without targets.
+    count = torch.tensor(float(sum(objective.count(mb) for mb in window)), dtype=torch.float64)
+    dist.all_reduce(count, op=dist.ReduceOp.SUM)
+    if count.item() == 0:
+        return None
+    optimizer.zero_grad(set_to_none=False)
+    scale = dist.get_world_size() / count.item()
+    last, total_loss = len(window) - 1, torch.zeros((), dtype=torch.float64)
+    for i, mb in enumerate(window):
+        with model.no_sync() if i < last else contextlib.nullcontext():
+            loss_sum = objective.loss_sum(model(input_ids=mb["input_ids"]).logits, mb)
+        (loss_sum * scale).backward()
+        total_loss += loss_sum.detach().double()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    dist.all_reduce(total_loss)
+    return (total_loss / count).item()
+
+
+def exit_stack_window(model, window, optimizer, objective):
+    # Another order: the counts and the log gathered as lists over ranks, no_sync entered
+    # through an ExitStack for the first microbatches and left before the last one.
+    optimizer.zero_grad(set_to_none=True)
+    mine = torch.tensor([objective.count(mb) for mb in window]).sum()
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    total = int(sum(everyone))
+    if not total:
+        return float("nan")
+    sums = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(model.no_sync())
+        for mb in window[:-1]:
+            part = objective.loss_sum(model(input_ids=mb["input_ids"]).logits, mb)
+            (part * len(everyone) / total).backward()
+            sums.append(part.detach())
+    part = objective.loss_sum(model(input_ids=window[-1]["input_ids"]).logits, window[-1])
+    (part * len(everyone) / total).backward()
+    sums.append(part.detach())
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    mine_sum = torch.stack(sums).sum()
+    all_sums = [torch.zeros_like(mine_sum) for _ in everyone]
+    dist.all_gather(all_sums, mine_sum)
+    return float(sum(all_sums)) / total
+
+
 DDP_ANSWERS = {
     right_window: None,
+    forward_only_no_sync: None,
+    exit_stack_window: None,
+    logs_local_mean: "this rank's own mean",
     ex04.reference_uneven_window: None,
     without_d: "1/2 of the full batch",
     local_count: "average of averages",
@@ -401,7 +477,7 @@ DDP_ANSWERS = {
     step_per_microbatch: "optimizer.step() ran 2 times",
     never_clears: "still holds the previous window's",
     all_inside_no_sync: "no gradient synchronization at all",
-    returns_nothing: "return True or False",
+    returns_nothing: "return the window's mean loss per target over all ranks",
 }
 
 

@@ -158,7 +158,7 @@ def test_the_committed_exercise_checks_still_hold_with_the_cell(tmp_path, monkey
         "00_start_here.ipynb", {"accumulation_steps": "ex00", "replicas": "ex00"}
     )
     notebook_exercises.assert_unsolved("01_single_device_loop.ipynb", {"accumulate_from_means": "ex01"})
-    notebook_exercises.assert_unsolved("07_capstone.ipynb", {"clinic_window": "ex07"})
+    notebook_exercises.assert_unsolved("07_capstone.ipynb", {"fixed_window": "ex07"})
 
 
 def test_the_command_line_writes_once_and_check_reports_staleness(tmp_path):

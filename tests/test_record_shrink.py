@@ -58,8 +58,12 @@ def test_record_after_a_shrink_at_the_first_update_states_the_plan_that_ran():
         {"update": 0, "from_micro_batch_size": 8, "from_accumulation_steps": 2,
          "to_micro_batch_size": 4, "to_accumulation_steps": 4}
     ]
-    assert record.extra["oom_shrinks"] == ledger.shrinks  # the ledger's own entries, as before
+    with pytest.warns(DeprecationWarning, match="record.shrinks"):  # a deprecated alias
+        assert record.extra["oom_shrinks"] == ledger.shrinks  # the ledger's own entries
     table = record.to_markdown()
+    # Stated once (issue 26): the record's shrinks, not a second list under another key.
+    assert table.count("new_micro_batch_size") == 0 and table.count("| shrinks |") == 1
+    assert "oom_shrinks" not in record.to_dict()["extra"] and "oom_shrinks" not in table
     assert "| micro_batch_size | 4 |" in table and "| planned_micro_batch_size | 8 |" in table
     assert al.RunRecord.from_json(record.to_json()) == record
 

@@ -199,8 +199,8 @@ def ddp_window(
     for i, mb in enumerate(window):
         mb = {k: v.to(device) for k, v in mb.items()}
         last = i == len(window) - 1
-        # DDP reads the no_sync flag in the forward (to prepare the backward's all-reduce),
-        # so no_sync must cover the forward; wrapping the backward too is the idiom.
+        # Every microbatch but the last inside no_sync, forward and backward: the last
+        # backward all-reduces the accumulated gradient (notebook 04 §2 measures why).
         with contextlib.nullcontext() if last else model.no_sync():
             logits = model(input_ids=mb["input_ids"]).logits
             loss_sum = objective.loss_sum(logits, mb)
@@ -294,9 +294,8 @@ def run_window_answers(
             for window in windows:
                 syncs, steps = counter.syncs, len(optimizer.seen)
                 returned = namespace[name](model, window, optimizer, NextTokenLoss())
-                out["returned"].append(
-                    returned if isinstance(returned, (bool, int)) else repr(returned)
-                )
+                plain = returned is None or isinstance(returned, (bool, int, float))
+                out["returned"].append(returned if plain else repr(returned))
                 out["syncs"].append(counter.syncs - syncs)
                 out["steps"].append(len(optimizer.seen) - steps)
                 left = any(p.grad is not None and bool(p.grad.any()) for p in model.parameters())

@@ -15,15 +15,17 @@ window up to ``A``, padding counted from the wrong side.
 
 - ``uneven_window`` (transfer): write one update attempt from one window under DDP when
   some ranks have no targets, ``uneven_window(model, window, optimizer, objective) ->
-  bool``. ``model`` is wrapped in ``DistributedDataParallel`` (call it as
+  float``. ``model`` is wrapped in ``DistributedDataParallel`` (call it as
   ``model(input_ids=mb["input_ids"]).logits``), ``window`` is this rank's list of
   microbatches (CPU dicts with ``input_ids`` and ``labels``), ``objective`` a
   ``NextTokenLoss`` (``objective.count(mb)``, ``objective.loss_sum(logits, mb)``). Some of a
   rank's windows have no targets (every label -100), and one window has none on any rank.
-  Return True when the update was applied. A window with targets somewhere must give the
-  single-process token mean over every rank's targets with one gradient sync; a window
-  without targets anywhere makes no update and returns False. Clear the gradients before
-  the first backward and after the step.
+  A window with targets somewhere must give the single-process token mean over every
+  rank's targets with one gradient sync, and the function returns that window's loss: the
+  mean per target over **all** ranks' targets, a Python float, the same on every rank
+  (the log line a run prints). A window without targets anywhere makes no update and
+  returns ``float("nan")`` (``None`` is accepted). Clear the gradients before the first
+  backward and after the step.
 
 The checker launches two gloo ranks (about ten seconds) with uneven data for three
 windows: both ranks with targets; rank 0 without; no rank with any. A DDP communication
@@ -42,6 +44,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import inspect
+import math
 import random
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
@@ -157,29 +160,46 @@ padding_plan = Exercise(
 
 
 def reference_uneven_window(model, window, optimizer, objective):
-    """One update attempt from this rank's ``window`` under DDP; True if applied."""
+    """One update attempt from this rank's ``window`` under DDP; returns the window's mean
+    loss per target over all ranks (NaN, and no update, when no rank has a target)."""
     optimizer.zero_grad(set_to_none=True)
     world = dist.get_world_size()  # D
     count = torch.tensor(sum(objective.count(mb) for mb in window))  # on the CPU
     dist.all_reduce(count, op=dist.ReduceOp.SUM)  # the window's targets over all ranks
     if count == 0:  # the same answer on every rank: all of them skip together
-        return False
+        return float("nan")
+    logged = torch.zeros(())
     for i, mb in enumerate(window):  # every rank runs every microbatch, targets or not
         last = i == len(window) - 1
         with contextlib.nullcontext() if last else model.no_sync():  # the forward decides
             logits = model(input_ids=mb["input_ids"]).logits
-            (objective.loss_sum(logits, mb) * world / count).backward()  # × D: DDP averages
+            loss_sum = objective.loss_sum(logits, mb)
+            (loss_sum * world / count).backward()  # × D: DDP averages the gradients
+        logged += loss_sum.detach()  # this rank's sum, no graph
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return True
+    dist.all_reduce(logged, op=dist.ReduceOp.SUM)  # every rank joins, with or without targets
+    return float(logged) / int(count)  # the log line: one read per window
 
 
 #: Relative tolerance on a window's gradient against the single-process full batch.
 DDP_RTOL = 1e-5
 #: ``A`` microbatches of ``M`` examples per rank and window; which ranks have no targets.
 M, A, NO_TARGETS = 2, 2, workers.NO_TARGETS
-#: What the reference returns per window.
+#: Which windows make an update (targets on some rank).
 APPLIED = [any(r not in empty for r in range(2)) for empty in NO_TARGETS]
+
+
+def _token_mean_loss(examples: Sequence[Any]) -> float:
+    """The token-mean loss of ``examples`` as one batch, at the initial weights."""
+    from ..data import collate
+
+    batch = collate(list(examples))
+    with torch.no_grad():
+        logits = workers.small_model()(input_ids=batch["input_ids"]).logits
+        return float(torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+            batch["labels"][:, 1:].reshape(-1), ignore_index=-100))
 
 
 def _references() -> list[dict[str, dict[str, Tensor]] | None]:
@@ -193,6 +213,8 @@ def _references() -> list[dict[str, dict[str, Tensor]] | None]:
             continue
         right = workers.token_mean_gradient(workers.small_model(), [e for p in parts for e in p])
         wrong = {"right": right, "no × D": {k: v / 2 for k, v in right.items()}}
+        wrong["loss"] = _token_mean_loss([e for p in parts for e in p])  # type: ignore[assignment]
+        wrong["local losses"] = [_token_mean_loss(p) if p else None for p in parts]  # type: ignore[assignment]
         if all(parts):
             means = [workers.token_mean_gradient(workers.small_model(), p) for p in parts]
             wrong["local count"] = {k: (means[0][k] + means[1][k]) / 2 for k in right}
@@ -291,16 +313,51 @@ def _diagnose_window(results: list[dict[str, Any]], references: list[Any]) -> st
         )
     for rank, result in enumerate(results):
         returned = result["returned"]
-        if any(not isinstance(x, bool) for x in returned):
-            return f"return True or False (was the update applied?), got {returned} on rank {rank}"
-        if returned != APPLIED:
-            return (
-                f"rank {rank} returned {returned} for the three windows, expected {APPLIED}: "
-                "True when the update was applied, False for the window without targets"
-            )
+        for w, (got, ref) in enumerate(zip(returned, references, strict=True)):
+            problem = _returned_problem(got, ref, w, rank)
+            if problem is not None:
+                return problem
         if any(result["grads_left"]):
             return "gradients are left after the update; clear them after optimizer.step()"
     return None
+
+
+def _returned_problem(got: Any, ref: Any, w: int, rank: int) -> str | None:
+    """What is wrong with the value rank ``rank`` returned for window ``w``, or None."""
+    where = f"window {w}, rank {rank}"
+    if ref is None:  # no targets anywhere: nothing to log
+        if got is None or (isinstance(got, float) and math.isnan(got)):
+            return None
+        return (
+            f"{where} has no targets on any rank and returned {got!r}: there is no mean loss "
+            "to log; return float('nan')"
+        )
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        return (
+            f"{where} returned {got!r}: return the window's mean loss per target over all "
+            "ranks as a Python float (all-reduce the detached loss sums, divide by the "
+            "global count, read once per window)"
+        )
+    expected = ref["loss"]
+    if abs(got - expected) <= LOSS_RTOL * abs(expected):
+        return None
+    local = ref["local losses"][rank]
+    if local is not None and abs(got - local) <= LOSS_RTOL * abs(local):
+        return (
+            f"{where} returned {got:.6g}, this rank's own mean; the window's loss is "
+            f"{expected:.6g} over both ranks' targets: all-reduce the loss sums (every rank "
+            "joins, also one without targets) and divide by the global count"
+        )
+    if abs(got - 2 * expected) <= LOSS_RTOL * 2 * abs(expected):
+        return (
+            f"{where} returned {got:.6g}, 2 × the window's loss {expected:.6g}: the × D "
+            "belongs to the backpropagated value (DDP averages gradients), not to the log"
+        )
+    return f"{where} returned {got:.6g}, the window's mean loss over both ranks is {expected:.6g}"
+
+
+#: Relative tolerance on the returned loss (float32 sums in another order).
+LOSS_RTOL = 1e-5
 
 
 def _run(answers: Sequence[Callable[..., Any]]) -> list[list[dict[str, Any]] | str]:
@@ -382,8 +439,9 @@ def _is_stub(answer: Callable[..., Any]) -> bool:
 
 
 def check_uneven_window(answer: Callable[..., Any]) -> str | None:
-    """None when ``answer`` makes the full-batch update with one sync per window and skips
-    the window without targets on every rank, else why not. A stub raises
+    """None when ``answer`` makes the full-batch update with one sync per window, returns
+    the window's mean loss over all ranks and skips the window without targets on every
+    rank, else why not. A stub raises
     ``NotImplementedError`` here, before any rank is launched."""
     if not callable(answer):
         return f"expected a function, got {type(answer).__name__}"
@@ -406,8 +464,11 @@ uneven_window = Exercise(
         "microbatch, also a rank whose own count is 0 (its loss_sum is 0, its backward adds "
         "nothing, but DDP's all-reduce needs it).",
         "Per microbatch: no_sync around the forward and backward of all but the last; "
-        "backpropagate objective.loss_sum(logits, mb) * dist.get_world_size() / total. "
-        "Then optimizer.step(), optimizer.zero_grad(), return True.",
+        "backpropagate objective.loss_sum(logits, mb) * dist.get_world_size() / total, and "
+        "add loss_sum.detach() to a running tensor. Then optimizer.step(), "
+        "optimizer.zero_grad().",
+        "The log: dist.all_reduce the running sum (every rank calls it, also one without "
+        "targets), then return float(running) / int(total).",
     ),
     reference=inspect.getsource(reference_uneven_window),
 )
