@@ -46,7 +46,8 @@ AUTO_RECORD = object()
 
 
 #: The file in a checkpoint directory that holds the ``train`` flags its run started with
-#: (JSON, flag -> value); ``train --resume`` refuses other values for them.
+#: (JSON, flag -> value); ``train --resume`` refuses other values for them. Only the run
+#: that holds the directory's lock (``accumlab.checkpoint.lock``) writes it.
 SETTINGS_FILE = "accumlab-train-settings.json"
 
 #: Names a record must not take inside the checkpoint directory: checkpoints (final and
@@ -391,6 +392,12 @@ def check_resume_settings(directory: Path, settings: dict[str, Any]) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    """``accumlab train``; the run owns its --checkpoint-dir (its lock) until it returns."""
+    with contextlib.ExitStack() as owned:
+        return _train_run(args, owned)
+
+
+def _train_run(args: argparse.Namespace, owned: contextlib.ExitStack) -> int:
     import torch
 
     from . import checkpoint
@@ -406,15 +413,23 @@ def _train(args: argparse.Namespace) -> int:
     if args.checkpoint_dir is None and (args.checkpoint_every is not None or args.resume):
         raise ValueError("--checkpoint-every and --resume need --checkpoint-dir DIR (e.g. runs/ckpt)")
     checkpoint.check_arguments(args.checkpoint_dir, args.checkpoint_every, args.resume)
-    done = checkpoint.list_checkpoints(args.checkpoint_dir) if args.checkpoint_dir else []
-    if done and not args.resume:
-        raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints; add "
-                         "--resume to continue that run, or choose another directory")
     path = None
     if args.record is not None:
         path = default_record_path() if args.record is AUTO_RECORD else args.record
         if args.checkpoint_dir and str(path).strip():
             check_record_beside_checkpoints(Path(path), args.checkpoint_dir)
+    if args.checkpoint_dir:  # before anything is read or written there: a second run is refused
+        try:
+            owned.enter_context(checkpoint.DirectoryLock(args.checkpoint_dir))
+        except checkpoint.CheckpointDirectoryInUseError as exc:
+            raise CommandError(str(exc).replace("checkpoint directory", "--checkpoint-dir", 1)) from exc
+        except OSError as exc:
+            raise CommandError(f"cannot write to --checkpoint-dir {args.checkpoint_dir}: "
+                               f"{exc.strerror or exc}") from exc
+    done = checkpoint.list_checkpoints(args.checkpoint_dir) if args.checkpoint_dir else []
+    if done and not args.resume:
+        raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints; add "
+                         "--resume to continue that run, or choose another directory")
     if done:
         check_resume_settings(Path(args.checkpoint_dir), run_settings(args))
     record_path = shown_path = None

@@ -96,7 +96,7 @@ def test_resume_after_an_oom_shrink_is_bit_identical(tmp_path: Path) -> None:
 def test_the_dropout_case_depends_on_the_restored_rng(tmp_path: Path, monkeypatch: Any) -> None:
     """Control: the comparison does see the RNG. Without restoring it, dropout draws
     other masks after the resume and the weights differ."""
-    monkeypatch.setattr(checkpoint, "set_rng_state", lambda state: None)
+    monkeypatch.setattr(checkpoint.replay, "set_rng_state", lambda state: None)
     result = workers.straight_and_resumed(workers.Config(dropout=0.2), str(tmp_path), 3, None)
     assert workers.max_weight_diff(result["straight"], result["resumed"]) > 0
 
