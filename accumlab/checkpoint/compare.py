@@ -151,9 +151,11 @@ def _param(name: str | None, shape: list[int]) -> str:
 
 
 def scheduler_moved(scheduler: Any) -> bool:
-    """Whether a torch scheduler has stepped since it was built (``last_epoch`` past 0)."""
+    """Whether a torch scheduler has stepped since it was built (``last_epoch`` past 0,
+    its own or that of a scheduler it chains, as ``ChainedScheduler`` does)."""
     last = getattr(scheduler, "last_epoch", None)
-    return isinstance(last, int) and last > 0
+    nested = getattr(scheduler, "_schedulers", None) or []
+    return (isinstance(last, int) and last > 0) or any(map(scheduler_moved, nested))
 
 
 def _setting_differences(saved: dict[str, Any], now: dict[str, Any], moved: bool = False) -> list[str]:
@@ -182,11 +184,11 @@ def _setting_differences(saved: dict[str, Any], now: dict[str, Any], moved: bool
 
 # ---------------------------------------------------------------------------- the scheduler
 
-#: Entries of a scheduler's ``state_dict()`` that move as it steps (or hold its nested
-#: schedulers' moving state); the rest are its hyper-parameters.
+#: Entries of a scheduler's ``state_dict()`` that move as it steps; the rest are its
+#: hyper-parameters (``_schedulers``, those of the schedulers it chains, compared alike).
 _MOVING = frozenset({
     "last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial",
-    "verbose", "T_cur", "T_i", "best", "num_bad_epochs", "cooldown_counter", "_schedulers",
+    "verbose", "T_cur", "T_i", "best", "num_bad_epochs", "cooldown_counter",
 })
 
 
@@ -197,7 +199,12 @@ def scheduler_hyperparameters(state: Mapping[str, Any] | None) -> dict[str, Any]
     (a ``LambdaLR`` lambda) is stored as ``None``: only the replay can see it."""
     if state is None:
         return None
-    return {k: _plain_deep(v) for k, v in state.items() if k not in _MOVING}
+    return {
+        k: [scheduler_hyperparameters(s) for s in v] if k == "_schedulers" and isinstance(v, list)
+        else _plain_deep(v)
+        for k, v in state.items()
+        if k not in _MOVING
+    }
 
 
 def _plain_deep(value: Any) -> Any:
