@@ -233,16 +233,23 @@ def train(
     Checkpoints (``accumlab.checkpoint``): with ``checkpoint_dir``, a checkpoint is written
     there after every ``checkpoint_every`` update attempts and after the last one
     (atomically, with a SHA-256 checksum; the newest two are kept; a directory that
-    cannot be written to is an ``OSError`` before any data is read). ``resume=True``
+    cannot be written to is an ``OSError`` before any data is read). The run owns the
+    directory from before its first write until it returns or raises: a directory
+    another live run holds is a ``checkpoint.CheckpointDirectoryInUseError`` (a
+    ``RuntimeError``) naming that run, and a lock left by a killed run is taken over
+    with a warning (``accumlab.checkpoint.lock``). ``resume=True``
     continues from the newest intact checkpoint in ``checkpoint_dir`` (a fresh start when
     there is none; a damaged newer one is skipped with a warning), given the same model,
     optimizer, scheduler, settings and data as the run that wrote it: the windows already
     trained on are read again without a forward pass and checked against what that run
     trained on (example ids, or the tensors), then the weights, optimizer, scheduler,
     GradScaler, ledger, OOM shrink state, RNG states and data position are restored. A
-    difference (optimizer class or hyper-parameters, scheduler class, ``clip_grad_norm``,
+    difference (optimizer class, its parameters in order or its hyper-parameters, the
+    scheduler's class, hyper-parameters or learning rates so far, ``clip_grad_norm``,
     precision, seed, plan, model, data) is a ``checkpoint.ResumeMismatchError`` (a
-    ``ValueError``) naming it, raised before anything is loaded into the model.
+    ``ValueError``) naming it, raised before anything is loaded into the model. What a
+    scheduler made of the lr is not a difference: the same call may be repeated with
+    the same objects after an interruption in one process.
     ``max_updates`` then counts the whole run's attempts, resumed ones included, so the
     same call can be repeated until the run is done (a warning when the checkpoint is
     already past it). Without ``resume``, a ``checkpoint_dir`` that already holds
