@@ -293,14 +293,13 @@ def lock_run_directory(directory: str | os.PathLike[str]) -> DirectoryLock | Non
     if rank == 0:
         try:
             lock = DirectoryLock(directory).acquire()
-        except CheckpointDirectoryInUseError as exc:
+        except (CheckpointDirectoryInUseError, OSError) as exc:  # OSError: cannot write there
             refused = exc
-    if world > 1:
-        if gather_counts([refused is not None])[0][0] and refused is None:
-            raise CheckpointDirectoryInUseError(
-                f"checkpoint directory {os.fspath(directory)} is in use by another run (rank 0 "
-                "could not take its lock; its error names the holder)"
-            )
+    if world > 1 and gather_counts([refused is not None])[0][0] and refused is None:
+        raise CheckpointDirectoryInUseError(
+            f"rank 0 could not take the lock of checkpoint directory {os.fspath(directory)} "
+            "(its error says why: another run holds it, or the directory cannot be written)"
+        )
     if refused is not None:
         raise refused
     return lock

@@ -126,9 +126,13 @@ class Checkpointer:
         self._written: tuple[int, int] | None = None
         self._lock: DirectoryLock | None = None
         if self.directory is not None:
-            check_writable(self.directory)
-            self._lock = lock_run_directory(self.directory)  # before anything is written
+            try:  # before anything is written there
+                self._lock = lock_run_directory(self.directory)
+            except OSError:
+                check_writable(self.directory)  # the clear message of a directory not writable
+                raise
             try:
+                check_writable(self.directory)
                 if resume:
                     self._resume()
                 else:
