@@ -341,3 +341,12 @@ def test_train_lets_the_directory_go_however_it_ends(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no takeover warning: the lock was released, not left
         workers.train(workers.build(config), config, checkpoint_dir=tmp_path, resume=True)
+
+
+def test_an_empty_lock_file_nobody_holds_is_taken_over(tmp_path: Path) -> None:
+    """A run killed between creating the file and writing its name leaves it empty."""
+    (tmp_path / LOCK).touch()
+    with pytest.warns(UserWarning, match="left by a process that has not written its name yet"):
+        with checkpoint.DirectoryLock(tmp_path) as held:
+            assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid() == held.record["pid"]
+    assert not (tmp_path / LOCK).exists()

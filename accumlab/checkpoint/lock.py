@@ -198,7 +198,7 @@ class DirectoryLock:
                     os.close(fd)
                     continue
                 if not created:
-                    self._take_over(fd, state, me)
+                    self._take_over(fd, state)
                 _write(fd, me)
                 if not created and state == "unsupported":
                     time.sleep(_SETTLE_S)  # another taker may have written after us
@@ -224,13 +224,12 @@ class DirectoryLock:
             time.sleep(0.01)
         return None
 
-    def _take_over(self, fd: int, state: str, me: dict[str, Any]) -> None:
-        """Take the lock file a run left behind, or raise when its holder may live."""
-        record = _read(fd)
-        alive = _alive(record) if record else False
-        if state == "held" and not record:
-            alive = False  # flocked by none, named by none: its creator died before writing
-        if alive or (alive is None and record):
+    def _take_over(self, fd: int, state: str) -> None:
+        """Take the lock file a run left behind, or raise when its holder may live (it
+        runs, or it is on another host). A file that stays empty was left by a run killed
+        between creating it and writing its name."""
+        record = self._holder(fd)  # an empty file: its creator may be writing its name now
+        if record and _alive(record) is not False:
             raise self._in_use(record, flocked=state == "held")
         warnings.warn(
             f"checkpoint directory {os.fspath(self.directory)}: taking over the lock left by "
