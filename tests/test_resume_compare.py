@@ -270,6 +270,22 @@ def test_retrying_with_the_same_objects_in_one_process_resumes_bit_identical(whe
     assert workers.mismatches(straight, workers.snapshot(run, ledger)) == []
 
 
+def test_a_retry_before_the_first_checkpoint_starts_fresh_and_says_the_objects_trained(tmp_path: Path) -> None:
+    """Interrupted before any checkpoint was written, the same objects cannot resume: the
+    run starts fresh from weights that already moved, and says so."""
+    config = workers.Config(dropout=0.1)
+    run = workers.build(config)
+    data = InterruptOnce(run["data"], at=5)
+    with pytest.raises(KeyboardInterrupt):
+        workers.train(run, config, data, checkpoint_dir=tmp_path, checkpoint_every=10)
+    assert checkpoint.list_checkpoints(tmp_path) == []
+    with pytest.warns(UserWarning, match="found no checkpoint .* the optimizer already holds state"):
+        workers.train(run, config, data, checkpoint_dir=tmp_path, resume=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # new objects: no warning
+        workers.train(workers.build(config), config, checkpoint_dir=tmp_path / "new", resume=True)
+
+
 def test_a_changed_lr_is_still_refused_when_the_scheduler_has_moved(tmp_path: Path) -> None:
     """The retry tolerates what the scheduler moved, not another lr: rebuilt with lr 0.1
     (its initial_lr) and stepped, the run is refused naming lr."""

@@ -26,6 +26,7 @@ from .compare import (
     _real_microbatches,
     check_compatible,
     run_settings,
+    scheduler_moved,
     window_digest,
 )
 from .files import (
@@ -150,8 +151,18 @@ class Checkpointer:
     def _resume(self) -> None:
         assert self.directory is not None
         found = load_newest_intact(self.directory)
-        if found is None:
-            return  # nothing written yet: a fresh start
+        if found is None:  # nothing written yet: a fresh start
+            if self.optimizer.state or scheduler_moved(self.scheduler):
+                warnings.warn(
+                    f"resume=True found no checkpoint in {self.directory}, so the run starts "
+                    "fresh, but the optimizer already holds state (or the scheduler has "
+                    "stepped): these objects trained before (a call interrupted before its "
+                    "first checkpoint?). To repeat the run exactly, build the model, optimizer "
+                    "and scheduler again",
+                    UserWarning,
+                    stacklevel=4,
+                )
+            return
         attempts, state = found
         try:
             check_compatible(
