@@ -6,9 +6,9 @@
     accumlab train --updates 20 --checkpoint-dir runs/ckpt --checkpoint-every 5 --resume
 
 Exit codes: 0 success; 1 a failed check, a file that cannot be written, a checkpoint
-directory another run holds, no intact checkpoint to resume from, or a run that failed; 2 bad arguments, or settings that
-differ from the checkpoint's on resume; 130 interrupted (Ctrl-C). Each failure is one
-line on stderr, never a traceback.
+directory another run holds, no intact checkpoint to resume from, or a run that failed;
+2 bad arguments, or settings that differ from the checkpoint's on resume; 130
+interrupted (Ctrl-C). Each failure is one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
