@@ -15,7 +15,11 @@ from ._torch_version import check_torch_version
 check_torch_version()
 
 from . import distributed
-from .checkpoint import CorruptCheckpointError, ResumeMismatchError
+from .checkpoint import (
+    CheckpointDirectoryInUseError,
+    CorruptCheckpointError,
+    ResumeMismatchError,
+)
 from .checks import (
     AuditReport,
     GradientComparison,
@@ -45,6 +49,7 @@ __all__ = [
     "AccumulationPlan",
     "AuditReport",
     "CannotShrinkError",
+    "CheckpointDirectoryInUseError",
     "ChunkedNextTokenLoss",
     "CorruptCheckpointError",
     "ExampleIdCheck",

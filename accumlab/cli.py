@@ -5,11 +5,12 @@
     accumlab train --micro 4 --steps 8 --updates 20 --record runs/run.json
     accumlab train --updates 20 --checkpoint-dir runs/ckpt --checkpoint-every 5 --resume
 
-Exit codes: 0 success; 1 a failed check, a file that cannot be written, no intact
-checkpoint to resume from, or a run that failed; 2 bad arguments, or settings that
-differ from the checkpoint's on resume; 130 interrupted (Ctrl-C, also while it starts).
-Each failure is one line on stderr, never a traceback (a bad flag value: argparse's usage,
-then one line naming the flag and the values it takes).
+Exit codes: 0 success; 1 a failed check, a file that cannot be written, a checkpoint
+directory another run holds, no intact checkpoint to resume from, or a run that failed;
+2 bad arguments, or settings that differ from the checkpoint's on resume; 130
+interrupted (Ctrl-C, also while it starts). Each failure is one line on stderr, never a
+traceback (a bad flag value: argparse's usage, then one line naming the flag and the
+values it takes).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ AUTO_RECORD = object()
 
 
 #: The file in a checkpoint directory that holds the ``train`` flags its run started with
-#: (JSON, flag -> value); ``train --resume`` refuses other values for them.
+#: (JSON, flag -> value); ``train --resume`` refuses other values for them. Only the run
+#: that holds the directory's lock (``accumlab.checkpoint.lock``) writes it.
 SETTINGS_FILE = "accumlab-train-settings.json"
 
 #: Names a record must not take inside the checkpoint directory: checkpoints (final and
@@ -394,6 +396,12 @@ def check_resume_settings(directory: Path, settings: dict[str, Any]) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    """``accumlab train``; the run owns its --checkpoint-dir (its lock) until it returns."""
+    with contextlib.ExitStack() as owned:
+        return _train_run(args, owned)
+
+
+def _train_run(args: argparse.Namespace, owned: contextlib.ExitStack) -> int:
     import torch
 
     from . import checkpoint
@@ -409,15 +417,23 @@ def _train(args: argparse.Namespace) -> int:
     if args.checkpoint_dir is None and (args.checkpoint_every is not None or args.resume):
         raise ValueError("--checkpoint-every and --resume need --checkpoint-dir DIR (e.g. runs/ckpt)")
     checkpoint.check_arguments(args.checkpoint_dir, args.checkpoint_every, args.resume)
-    done = checkpoint.list_checkpoints(args.checkpoint_dir) if args.checkpoint_dir else []
-    if done and not args.resume:
-        raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints; add "
-                         "--resume to continue that run, or choose another directory")
     path = None
     if args.record is not None:
         path = default_record_path() if args.record is AUTO_RECORD else args.record
         if args.checkpoint_dir and str(path).strip():
             check_record_beside_checkpoints(Path(path), args.checkpoint_dir)
+    if args.checkpoint_dir:  # before anything is read or written there: a second run is refused
+        try:
+            owned.enter_context(checkpoint.DirectoryLock(args.checkpoint_dir))
+        except checkpoint.CheckpointDirectoryInUseError as exc:
+            raise CommandError(str(exc).replace("checkpoint directory", "--checkpoint-dir", 1)) from exc
+        except OSError as exc:
+            raise CommandError(f"cannot write to --checkpoint-dir {args.checkpoint_dir}: "
+                               f"{exc.strerror or exc}") from exc
+    done = checkpoint.list_checkpoints(args.checkpoint_dir) if args.checkpoint_dir else []
+    if done and not args.resume:
+        raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints; add "
+                         "--resume to continue that run, or choose another directory")
     if done:
         check_resume_settings(Path(args.checkpoint_dir), run_settings(args))
     record_path = shown_path = None

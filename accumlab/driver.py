@@ -233,16 +233,23 @@ def train(
     Checkpoints (``accumlab.checkpoint``): with ``checkpoint_dir``, a checkpoint is written
     there after every ``checkpoint_every`` update attempts and after the last one
     (atomically, with a SHA-256 checksum; the newest two are kept; a directory that
-    cannot be written to is an ``OSError`` before any data is read). ``resume=True``
+    cannot be written to is an ``OSError`` before any data is read). The run owns the
+    directory from before its first write until it returns or raises: a directory
+    another live run holds is a ``checkpoint.CheckpointDirectoryInUseError`` (a
+    ``RuntimeError``) naming that run, and a lock left by a killed run is taken over
+    with a warning (``accumlab.checkpoint.lock``). ``resume=True``
     continues from the newest intact checkpoint in ``checkpoint_dir`` (a fresh start when
     there is none; a damaged newer one is skipped with a warning), given the same model,
     optimizer, scheduler, settings and data as the run that wrote it: the windows already
     trained on are read again without a forward pass and checked against what that run
     trained on (example ids, or the tensors), then the weights, optimizer, scheduler,
     GradScaler, ledger, OOM shrink state, RNG states and data position are restored. A
-    difference (optimizer class or hyper-parameters, scheduler class, ``clip_grad_norm``,
+    difference (optimizer class, its parameters in order or its hyper-parameters, the
+    scheduler's class, hyper-parameters or learning rates so far, ``clip_grad_norm``,
     precision, seed, plan, model, data) is a ``checkpoint.ResumeMismatchError`` (a
-    ``ValueError``) naming it, raised before anything is loaded into the model.
+    ``ValueError``) naming it, raised before anything is loaded into the model. What a
+    scheduler made of the lr is not a difference: the same call may be repeated with
+    the same objects after an interruption in one process.
     ``max_updates`` then counts the whole run's attempts, resumed ones included, so the
     same call can be repeated until the run is done (a warning when the checkpoint is
     already past it). Without ``resume``, a ``checkpoint_dir`` that already holds
@@ -290,73 +297,76 @@ def train(
         scheduler=scheduler, scaler=scaler, plan=plan, precision=precision, batches=batches,
         options=fixed,
     )  # fmt: skip
-    ledger = ckpt.ledger  # restored from the checkpoint when resuming
-    halvings = ckpt.halvings  # on_oom="shrink": how often every loader microbatch is cut in half
-    settings = {"precision": precision, "scaler": scaler, "clip_grad_norm": clip_grad_norm,
-                "optimizer": optimizer, "unit": getattr(objective, "unit", None)}  # fmt: skip
-    ledger.note_settings(**settings)
-    total = _planned_windows(batches, plan)
-    if max_updates is not None and total is not None:
-        total = min(total, max_updates)
-    with _progress(total, progress) as bar:
-        bar.update(ledger.update_attempts)  # those of the run this one resumes
-        # Under data parallelism every rank gets the same number of windows and of
-        # microbatches per window, padded with zero-target microbatches where it has fewer.
-        group = data_parallel_group(model)
-        windows = aligned_windows(plan, batches, objective, group)
-        for window in ckpt.windows(windows, max_updates):  # after those already trained on
-            real = window.microbatches[: len(window.microbatches) - window.padding]
-            # Only windows that every rank trains on are aligned: compare sizes there.
-            peers = group if window.microbatches else None
-            _note_microbatch_sizes([*real, *window.dropped], ledger.loader_batches, plan, ledger, peers)
-            ledger.loader_batches += window.loader_batches
-            if window.dropped:
-                counts = count_window(objective, window.dropped)
-                ledger.record_dropped(sum(count_examples(mb) for mb in window.dropped), sum(counts))
-            if not window.microbatches:
-                continue
+    try:  # the checkpoint directory stays this run's until it returns or raises
+        ledger = ckpt.ledger  # restored from the checkpoint when resuming
+        halvings = ckpt.halvings  # on_oom="shrink": how often every loader microbatch is cut in half
+        settings = {"precision": precision, "scaler": scaler, "clip_grad_norm": clip_grad_norm,
+                    "optimizer": optimizer, "unit": getattr(objective, "unit", None)}  # fmt: skip
+        ledger.note_settings(**settings)
+        total = _planned_windows(batches, plan)
+        if max_updates is not None and total is not None:
+            total = min(total, max_updates)
+        with _progress(total, progress) as bar:
+            bar.update(ledger.update_attempts)  # those of the run this one resumes
+            # Under data parallelism every rank gets the same number of windows and of
+            # microbatches per window, padded with zero-target microbatches where it has fewer.
+            group = data_parallel_group(model)
+            windows = aligned_windows(plan, batches, objective, group)
+            for window in ckpt.windows(windows, max_updates):  # after those already trained on
+                real = window.microbatches[: len(window.microbatches) - window.padding]
+                # Only windows that every rank trains on are aligned: compare sizes there.
+                peers = group if window.microbatches else None
+                _note_microbatch_sizes([*real, *window.dropped], ledger.loader_batches, plan, ledger, peers)
+                ledger.loader_batches += window.loader_batches
+                if window.dropped:
+                    counts = count_window(objective, window.dropped)
+                    ledger.record_dropped(sum(count_examples(mb) for mb in window.dropped), sum(counts))
+                if not window.microbatches:
+                    continue
 
-            def attempt(microbatches: list[Any], window_meter: Any) -> UpdateReport:
-                return train_window(
-                    model,
-                    microbatches,
-                    optimizer,
-                    objective,
-                    scaler=scaler,
-                    clip_grad_norm=clip_grad_norm,
-                    scheduler=scheduler,
-                    precision=precision,
-                    meter=window_meter,
-                    forward=forward,
-                    nonfinite=nonfinite,
-                    scheduler_per=scheduler_per,
-                    sync=sync,
-                    index=ledger.update_attempts,
-                )
+                def attempt(microbatches: list[Any], window_meter: Any) -> UpdateReport:
+                    return train_window(
+                        model,
+                        microbatches,
+                        optimizer,
+                        objective,
+                        scaler=scaler,
+                        clip_grad_norm=clip_grad_norm,
+                        scheduler=scheduler,
+                        precision=precision,
+                        meter=window_meter,
+                        forward=forward,
+                        nonfinite=nonfinite,
+                        scheduler_per=scheduler_per,
+                        sync=sync,
+                        index=ledger.update_attempts,
+                    )
 
-            if on_oom == "shrink":
-                # Counts the padding among the (possibly halved) microbatches it ran.
-                report, halvings = train_window_shrinking(
-                    attempt, window.microbatches, model, optimizer, meter, ledger, halvings
-                )
-            else:
-                report = attempt(window.microbatches, meter)
-                report.padding_microbatches = window.padding
-            ledger.record(report)
-            ckpt.after_attempt(halvings)
-            bar.update(1)
-            bar.set_postfix(loss=f"{report.loss:.3f}", refresh=False)
-            if on_update is not None:
-                on_update(report)
-            if max_updates is not None and ledger.update_attempts >= max_updates:
-                break
-    ledger.note_settings(**settings)  # the scaler's final scale
-    if ledger.loader_batches == 0:
-        warnings.warn(
-            "batches yielded no microbatch: 0 update attempts were made (an empty loader, or "
-            "an iterator that was already read to its end?)",
-            UserWarning,
-            stacklevel=2,
-        )
-    ckpt.finish(halvings)
+                if on_oom == "shrink":
+                    # Counts the padding among the (possibly halved) microbatches it ran.
+                    report, halvings = train_window_shrinking(
+                        attempt, window.microbatches, model, optimizer, meter, ledger, halvings
+                    )
+                else:
+                    report = attempt(window.microbatches, meter)
+                    report.padding_microbatches = window.padding
+                ledger.record(report)
+                ckpt.after_attempt(halvings)
+                bar.update(1)
+                bar.set_postfix(loss=f"{report.loss:.3f}", refresh=False)
+                if on_update is not None:
+                    on_update(report)
+                if max_updates is not None and ledger.update_attempts >= max_updates:
+                    break
+        ledger.note_settings(**settings)  # the scaler's final scale
+        if ledger.loader_batches == 0:
+            warnings.warn(
+                "batches yielded no microbatch: 0 update attempts were made (an empty loader, or "
+                "an iterator that was already read to its end?)",
+                UserWarning,
+                stacklevel=2,
+            )
+        ckpt.finish(halvings)
+    finally:
+        ckpt.close()
     return ledger

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,7 @@ def test_resume_after_an_oom_shrink_is_bit_identical(tmp_path: Path) -> None:
 def test_the_dropout_case_depends_on_the_restored_rng(tmp_path: Path, monkeypatch: Any) -> None:
     """Control: the comparison does see the RNG. Without restoring it, dropout draws
     other masks after the resume and the weights differ."""
-    monkeypatch.setattr(checkpoint, "set_rng_state", lambda state: None)
+    monkeypatch.setattr(checkpoint.replay, "set_rng_state", lambda state: None)
     result = workers.straight_and_resumed(workers.Config(dropout=0.2), str(tmp_path), 3, None)
     assert workers.max_weight_diff(result["straight"], result["resumed"]) > 0
 
@@ -297,11 +298,13 @@ def test_a_loop_of_sigkills_over_shuffled_epochs_with_dropout_resumes_bit_identi
     total = -(-config.epochs * config.microbatches // config.a)  # the last window is short
     chooser = random.Random()  # its own generator: build() seeds the global one
     landed = []  # the newest checkpoint after each kill that landed mid-run
+    killed = None  # the pid of the last run killed, whose lock is left behind
     for _ in range(KILLS):
         before = (checkpoint.list_checkpoints(directory) or [-1])[0]
         if before >= total:
             break  # the last kill landed after the final checkpoint: no window is left to kill
         child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
+        killed = None
         try:
             while (checkpoint.list_checkpoints(directory) or [-1])[0] <= before:
                 assert child.poll() is None, child.stderr.read().decode() if child.stderr else ""
@@ -315,11 +318,16 @@ def test_a_loop_of_sigkills_over_shuffled_epochs_with_dropout_resumes_bit_identi
         if out.exists():
             break  # it finished before the kill
         assert child.returncode == -signal.SIGKILL
+        killed = child.pid
         landed.append(checkpoint.list_checkpoints(directory)[0])
     # Killed mid-run more than once. A kill may also land after the final checkpoint but
     # before the weights are written (a valid moment too: the resume then trains nothing).
     assert len([c for c in landed if c < total]) >= 2, landed
-    workers.kill_run(str(directory), str(out), pause_s=0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        workers.kill_run(str(directory), str(out), pause_s=0.0)
+    if killed is not None:  # the last run was killed: its lock is taken over, naming it
+        assert any(f"taking over the lock left by process {killed} " in str(w.message) for w in caught)
     resumed = torch.load(out, weights_only=True)
     straight = workers.straight_weights()
     diff = max(float((resumed[k] - straight[k]).abs().max()) for k in straight)

@@ -79,7 +79,7 @@ def test_epochs_shuffled_by_pythons_random_resume_bit_identical(tmp_path: Path) 
 def test_the_shuffled_case_needs_the_replayed_draws(tmp_path: Path, monkeypatch: Any) -> None:
     """Control: the epochs' orders do come from the global generator. Without replaying
     the data's draws, epoch 2 is read in another order and the resume is refused."""
-    monkeypatch.setattr(checkpoint, "MAX_RNG_DRAWS", 0)
+    monkeypatch.setattr(checkpoint.replay, "MAX_RNG_DRAWS", 0)
     with pytest.warns(UserWarning, match="drew from the global random generators"):
         interrupted(SHUFFLED, tmp_path, 4)
     run = workers.build(SHUFFLED)

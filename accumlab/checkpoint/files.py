@@ -1,0 +1,311 @@
+"""A checkpoint's files: names, the atomic write with its checksum, rotation, and reading
+back the newest intact one that every rank has.
+
+A checkpoint is one file per rank, ``checkpoint-<attempts>-rank<r>.pt`` in the checkpoint
+directory, where ``<attempts>`` is the run's update attempts so far (8 digits). It is
+written to a temporary file in the same directory, flushed and fsynced, then renamed
+over its final name (``os.replace``, atomic), so a kill at any moment leaves the previous
+checkpoints intact; a leftover temporary file is never read and is removed by the rank's
+next write. The newest ``keep`` (2) checkpoints of a rank are kept. ``torch.load(
+weights_only=True)`` reads it back, and its SHA-256 checksum must match. Only the run
+that holds the directory's lock (:mod:`accumlab.checkpoint.lock`) writes there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import distributed
+from ..plan import check_positive_int
+
+FORMAT = 2  # bumped when the layout of a checkpoint changes
+KEEP = 2  # checkpoints kept per rank
+_NAME = re.compile(r"^checkpoint-(\d{8,})-rank(\d+)\.pt$")
+_TEMP_PREFIX = ".checkpoint-"
+
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file that cannot be trusted: empty, cut short, unreadable, of another
+    format, or its content does not match the checksum stored with it."""
+
+
+def check_arguments(checkpoint_dir: object, checkpoint_every: object, resume: object) -> None:
+    """Check ``train``'s checkpoint keywords before any data is read.
+
+    ``checkpoint_dir`` is ``None`` (no checkpoints) or a non-empty path that is not an
+    existing file; ``checkpoint_every`` is ``None`` (write after the last update attempt
+    only) or a positive int of update attempts and needs ``checkpoint_dir``; ``resume`` is
+    a bool and ``True`` needs ``checkpoint_dir``.
+    """
+    if checkpoint_dir is not None:
+        if not isinstance(checkpoint_dir, (str, os.PathLike)):
+            raise TypeError(
+                "checkpoint_dir must be a path (str or os.PathLike) or None, got "
+                f"{type(checkpoint_dir).__name__}"
+            )
+        if not os.fspath(checkpoint_dir):
+            raise ValueError("checkpoint_dir is an empty path; give a directory such as 'runs/x'")
+        if Path(checkpoint_dir).exists() and not Path(checkpoint_dir).is_dir():
+            raise ValueError(f"checkpoint_dir {os.fspath(checkpoint_dir)!r} is a file, not a directory")
+    if checkpoint_every is not None:
+        check_positive_int("checkpoint_every", checkpoint_every)
+        if checkpoint_dir is None:
+            raise ValueError("checkpoint_every needs checkpoint_dir: where should the checkpoints go?")
+    if not isinstance(resume, bool):
+        raise TypeError(f"resume must be True or False, got {resume!r}")
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume=True needs checkpoint_dir, the directory of the run to continue")
+
+
+
+
+def checkpoint_path(directory: str | os.PathLike[str], update_attempts: int, rank: int = 0) -> Path:
+    """Where rank ``rank``'s checkpoint after ``update_attempts`` attempts lives."""
+    return Path(directory) / f"checkpoint-{update_attempts:08d}-rank{rank}.pt"
+
+
+def list_checkpoints(directory: str | os.PathLike[str], rank: int = 0) -> list[int]:
+    """The update-attempt counts of rank ``rank``'s complete checkpoints, newest first.
+
+    Only files with a checkpoint's final name count: a write in progress or one killed
+    midway is a temporary file and is ignored.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in directory.iterdir():
+        match = _NAME.match(entry.name)
+        if match and int(match.group(2)) == rank and entry.is_file():
+            found.append(int(match.group(1)))
+    return sorted(found, reverse=True)
+
+
+def check_writable(directory: str | os.PathLike[str]) -> None:
+    """Create ``directory`` if needed and write (then remove) a temporary file there, so
+    that a directory checkpoints cannot be written to is an ``OSError`` before training,
+    not after the first window."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=f"{_TEMP_PREFIX}probe.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OSError(
+            f"cannot write checkpoints to checkpoint_dir {os.fspath(directory)!r} "
+            f"({exc.strerror or exc}); give a directory you can write to"
+        ) from exc
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename or an unlink in ``directory`` durable (a no-op where unsupported)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _feed(digest: Any, value: Any) -> None:
+    """Add ``value`` (tensors and plain data, nested) to ``digest`` in a form that does not
+    depend on how it was stored: a tensor's dtype, shape and bytes; containers item by item."""
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if callable(getattr(value, "to_local", None)) else value
+        flat = local.detach().to("cpu").contiguous().reshape(-1)  # a DTensor: this rank's shard
+        digest.update(f"T{flat.dtype}{list(value.shape)}:".encode())
+        digest.update(flat.view(torch.uint8).numpy().data)
+    elif isinstance(value, Mapping):
+        digest.update(f"d{len(value)}:".encode())
+        for key, item in value.items():
+            _feed(digest, key)
+            _feed(digest, item)
+    elif isinstance(value, (list, tuple)):  # a tuple may come back as either
+        digest.update(f"l{len(value)}:".encode())
+        for item in value:
+            _feed(digest, item)
+    else:
+        text = repr(value)
+        digest.update(f"{type(value).__name__}{len(text)}:{text}".encode())
+
+
+def payload_checksum(state: Mapping[str, Any]) -> str:
+    """The SHA-256 of a checkpoint's content (hex): every tensor's bytes and every value.
+    A checkpoint stores it under ``"sha256"``; :func:`load_checkpoint` recomputes it."""
+    digest = hashlib.sha256()
+    _feed(digest, {k: v for k, v in state.items() if k != "sha256"})
+    return digest.hexdigest()
+
+
+def save_checkpoint(
+    state: dict[str, Any],
+    directory: str | os.PathLike[str],
+    update_attempts: int,
+    *,
+    rank: int = 0,
+    keep: int = KEEP,
+) -> Path:
+    """Write ``state`` with its checksum (``"sha256"``) atomically as rank ``rank``'s
+    checkpoint after ``update_attempts`` attempts; then delete the rank's checkpoints
+    beyond the newest ``keep`` and its leftover temporary files. Returns the path.
+
+    The bytes go to a temporary file in the same directory (so the rename stays on one
+    file system), which is flushed and fsynced before ``os.replace`` gives it its final
+    name: a reader sees the old checkpoint or the whole new one, never part of one.
+    """
+    check_positive_int("keep", keep)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(directory, update_attempts, rank)
+    fd, temp = tempfile.mkstemp(dir=directory, prefix=f"{_TEMP_PREFIX}{final.stem}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save({**state, "sha256": payload_checksum(state)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, final)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+    for old in list_checkpoints(directory, rank)[keep:]:
+        checkpoint_path(directory, old, rank).unlink(missing_ok=True)
+    for leftover in directory.glob(f"{_TEMP_PREFIX}checkpoint-*-rank{rank}.*.tmp"):
+        leftover.unlink(missing_ok=True)  # from a write that was killed
+    _fsync_directory(directory)
+    return final
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a checkpoint with ``torch.load(weights_only=True)`` onto the CPU (the
+    ``load_state_dict`` methods then copy each tensor to where its parameter lives) and
+    verify its checksum. :class:`CorruptCheckpointError` naming the file and why when it
+    is empty, cut short, unreadable, not plain data, of another format or fails the
+    checksum (e.g. a flipped bit inside a stored weight)."""
+    name = os.fspath(path)
+
+    def corrupt(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"checkpoint {name} is not intact: {why}")
+
+    try:
+        if os.path.getsize(path) == 0:
+            raise corrupt("the file is empty (0 bytes)")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except CorruptCheckpointError:
+        raise
+    except Exception as exc:  # a cut or damaged file fails in many ways inside torch.load
+        first = (str(exc).strip().splitlines() or [""])[0].split(". ")[0][:160]
+        raise corrupt(f"it is cut short or damaged ({type(exc).__name__}: {first})") from exc
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise corrupt(f"it is not an accumlab checkpoint of format {FORMAT} (found {found!r})")
+    stored = state.pop("sha256", None)
+    if stored != payload_checksum(state):
+        raise corrupt(
+            "its content does not match the checksum written with it (a flipped bit, a "
+            "partial copy or an edited file)"
+        )
+    return state
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def common_checkpoints(directory: str | os.PathLike[str]) -> list[int]:
+    """The update-attempt counts of the checkpoints every rank has, newest first (empty
+    when no rank has any; collective under a process group: every rank must call it).
+
+    Ranks write their files one after another, so a kill can leave one rank a checkpoint
+    ahead; keeping two per rank means the ranks still share one. Raises ``ValueError`` on
+    every rank when some rank has checkpoints but none is shared (e.g. the directory was
+    written by a run with another world size).
+    """
+    rank, world = _rank_and_world()
+    mine = list_checkpoints(directory, rank)
+    if world == 1:
+        return mine
+    width = max(row[0] for row in distributed.gather_counts([len(mine)]))
+    if width == 0:
+        return []
+    rows = distributed.gather_counts(mine + [-1] * (width - len(mine)))
+    shared = set.intersection(*({v for v in row if v >= 0} for row in rows))
+    if shared:
+        return sorted(shared, reverse=True)
+    have = [r for r, row in enumerate(rows) if any(v >= 0 for v in row)]
+    raise ValueError(
+        f"{os.fspath(directory)}: ranks {have} have checkpoints but no checkpoint is shared by "
+        f"all {world} ranks; was it written by a run with another world size? Use a new "
+        "checkpoint_dir, or resume with the world size that wrote it"
+    )
+
+
+def newest_common(directory: str | os.PathLike[str]) -> int | None:
+    """The update-attempt count of the newest checkpoint every rank has, ``None`` when no
+    rank has any (collective; see :func:`common_checkpoints`)."""
+    shared = common_checkpoints(directory)
+    return shared[0] if shared else None
+
+
+def load_newest_intact(directory: str | os.PathLike[str]) -> tuple[int, dict[str, Any]] | None:
+    """``(update attempts, state)`` of the newest checkpoint every rank has and every
+    rank can read intact (:func:`load_checkpoint`); ``None`` when there is none yet.
+
+    A newer one that some rank cannot read is skipped with a warning naming the file, why,
+    and the checkpoint resumed from instead; all ranks move to the previous one together (one small all-reduce per
+    checkpoint tried), so they load the same update. If every shared checkpoint is
+    damaged: :class:`CorruptCheckpointError` naming the files, on every rank.
+    """
+    rank, _ = _rank_and_world()
+    skipped = []
+    for attempts in common_checkpoints(directory):
+        path = checkpoint_path(directory, attempts, rank)
+        try:
+            state, why = load_checkpoint(path), ""
+        except CorruptCheckpointError as exc:
+            state, why = None, str(exc)
+        bad = [r for r, row in enumerate(distributed.gather_counts([bool(why)])) if row[0]]
+        if not bad:
+            for reason in skipped:
+                warnings.warn(f"{reason}; resuming from {path.name} instead", UserWarning, stacklevel=3)
+            return attempts, state  # type: ignore[return-value]
+        skipped.append(why or f"checkpoint {path} is intact, but rank(s) {bad} cannot read theirs")
+    if skipped:
+        raise CorruptCheckpointError(
+            f"no intact checkpoint in {os.fspath(directory)}: " + "; ".join(skipped)
+            + ". Move these files away to start the run afresh in this directory, or restore "
+            "them from a copy"
+        )
+    return None
+
+
+def _refuse_a_used_directory(directory: Path) -> None:
+    """``ValueError`` (on every rank: collective) when a fresh run would write into a
+    directory that holds checkpoints: its newer ones would later pass for this run's."""
+    rank, world = _rank_and_world()
+    mine = list_checkpoints(directory, rank)
+    newest = max(row[0] for row in distributed.gather_counts([mine[0] if mine else -1]))
+    if newest >= 0:
+        raise ValueError(
+            f"checkpoint_dir {os.fspath(directory)!r} already holds checkpoints (the newest after "
+            f"{newest} update attempts); pass resume=True to continue that run, or give a new "
+            "directory (or delete them) to start another"
+        )
+
+
