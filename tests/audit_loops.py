@@ -80,6 +80,11 @@ def report_of(loop):
     return _REPORTS[loop]
 
 
+def flat(text: str) -> str:
+    """``text`` with each run of whitespace one space: a printed report wraps its lines."""
+    return " ".join(text.split())
+
+
 @dataclass(frozen=True)
 class Expect:
     mistakes: frozenset[str] = frozenset()

@@ -38,6 +38,10 @@ FIGURES = [
     ("04 the arithmetic cell", r"true mean\n(\d\.\d\d), (\d\.\d\d) without `× D`, (\d\.\d\d) with",
      "04_ddp_no_sync", r"true window mean (\d\.\d\d) \| × D / global count: \d\.\d\d \| "
      r"/ global count: (\d\.\d\d) \| / local count: (\d\.\d\d)"),
+    ("07 the audit's cost", r"a correct loop costs (\d+) forward passes over (\d+) rows",
+     "07_capstone", r"The audit ran (\d+) forward passes over (\d+) rows"),
+    ("07 the audit's examples", r"microbatches \((\d+)\s+examples\) with unequal",
+     "07_capstone", r"the audit's controlled set: (\d+) examples in"),
     ("07 double division", r"loss of (\d\.\d+) instead of (\d\.\d+) nats per target",
      "07_capstone", r"logged loss (\d\.\d+) instead of (\d\.\d+) nats per target"),
 ]

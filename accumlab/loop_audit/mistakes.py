@@ -102,8 +102,9 @@ ADVICE: dict[str, tuple[str, str]] = {
     ),
     "kept_references": (
         "growing memory: live memory rises window after window until the run is out of memory",
-        "log loss.item() (a Python float); do not keep outputs, logits or loss tensors across "
-        "windows (del them at the end of each microbatch)",
+        "keep no output, logits or loss tensor that holds a graph beyond its microbatch: to log "
+        "the loss, add loss.detach() to a running tensor and read it as a Python float once "
+        "per window (a .item() per microbatch makes the host wait for the device)",
     ),
     "window_modified_in_place": (
         "data that changes each time it is read: the next epoch, a retried window or a "

@@ -3,10 +3,28 @@ verdict (:class:`AuditReport`), printed with evidence, symptom and fix."""
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
 
 from .controlled_set import AUDIT_TOLERANCE
 from .mistakes import ADVICE, NOT_CHECKED
+
+#: The printed report's lines are at most this many characters (a notebook prints it).
+REPORT_WIDTH = 100
+
+
+def _wrap(text: str, first: str = "", rest: str = "") -> str:
+    """``text`` after ``first``, wrapped at :data:`REPORT_WIDTH` with ``rest`` before each
+    further line; words (identifiers, numbers, hyphenated words) are never split, so the
+    text with its whitespace collapsed is unchanged."""
+    return textwrap.fill(
+        text,
+        REPORT_WIDTH,
+        initial_indent=first,
+        subsequent_indent=rest,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 @dataclass
@@ -62,7 +80,7 @@ class AuditReport:
     ``ok`` is True when both are empty and every window's update matches the correct one
     within :data:`AUDIT_TOLERANCE`. ``str(report)`` gives, per mistake, the evidence, the
     symptom a user would see in a real run, and the fix, then what the audit ran and what it
-    does not check.
+    does not check, each wrapped at :data:`REPORT_WIDTH` characters a line.
 
     What the audit ran: ``examples`` in the controlled set (``microbatches`` of them);
     ``loop_forwards`` forward passes of your loop over ``loop_rows`` rows; and
@@ -132,22 +150,24 @@ class AuditReport:
             error = "below 1e-12" if worst < 1e-12 else f"{worst:.1e}"  # float64 rounding only
             once = self.windows[0].kept_tensors if len(self.windows) > 1 else 0
             kept = f" but {once} made once in the first window" if once else ""
-            return (
+            verdict = (
                 f"audit: ok ({head}). Every update matches the reference (largest relative "
                 f"error {error}); one optimizer.step and, after it, one scheduler.step per "
-                f"window; no tensor outlived its window{kept}.\n{self.ran}\n{NOT_CHECKED}"
+                f"window; no tensor outlived its window{kept}."
             )
+            return "\n".join(_wrap(text) for text in (verdict, self.ran, NOT_CHECKED))
         count = len(self.mistakes)
-        lines = [f"audit: {count} mistake{'s' if count != 1 else ''} found ({head})"]
+        lines = [_wrap(f"audit: {count} mistake{'s' if count != 1 else ''} found ({head})")]
+        indent = " " * len("    evidence: ")
         for name in self.mistakes:
             symptom, fix = ADVICE[name]
             lines += [
                 f"- {name}",
-                f"    evidence: {self.evidence[name]}",
-                f"    symptom:  {symptom}",
-                f"    fix:      {fix}",
+                _wrap(self.evidence[name], "    evidence: ", indent),
+                _wrap(symptom, "    symptom:  ", indent),
+                _wrap(fix, "    fix:      ", indent),
             ]
         for note in self.other:
-            lines.append(f"- also: {note}")
-        lines += [self.ran, NOT_CHECKED]
+            lines.append(_wrap(note, "- also: ", "    "))
+        lines += [_wrap(self.ran), _wrap(NOT_CHECKED)]
         return "\n".join(lines)
