@@ -14,3 +14,28 @@ document.addEventListener("DOMContentLoaded", () => {
     }
   }
 });
+
+// Search snippets: Sphinx takes a result's text from [role="main"], which in this theme also
+// holds the article's header buttons ("Light Dark ..."); take it from the article itself.
+function accumlabSearchText() {
+  if (typeof Search === "undefined" || Search.accumlabPatched) return;
+  Search.htmlToText = (htmlString, anchor) => {
+    const doc = new DOMParser().parseFromString(htmlString, "text/html");
+    for (const query of [".headerlink", "script", "style", ".run-this-notebook", ".al-exercise"]) {
+      doc.querySelectorAll(query).forEach((el) => el.remove());
+    }
+    const article = doc.querySelector("article.bd-article") || doc.querySelector('[role="main"]');
+    if (!article) return "";
+    if (anchor) {
+      const target = article.querySelector(anchor);
+      if (target) {
+        const section = target.closest("section") || target.nextElementSibling || target;
+        return section.textContent;
+      }
+    }
+    return article.textContent;
+  };
+  Search.accumlabPatched = true;
+}
+accumlabSearchText();
+document.addEventListener("DOMContentLoaded", accumlabSearchText);
