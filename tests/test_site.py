@@ -65,13 +65,15 @@ def test_links_go_to_pages_or_to_the_repository_and_missing_files_stop_the_build
 
 def test_the_landing_table_lists_every_lesson_with_what_it_teaches_and_its_time():
     titles = {s: f"Title {s}" for s in LESSONS}
-    table = build_site.course_table(LESSONS, titles).splitlines()
-    assert len(table) == 2 + len(LESSONS)
+    table = build_site.course_table(LESSONS, titles)
+    assert table.startswith(":::{list-table}") and table.endswith("\n:::")
+    rows = [row.splitlines() for row in table.removesuffix("\n:::").split("\n* - ")[1:]]
+    assert len(rows) == 1 + len(LESSONS) and rows[0][0] == "lesson"
     readme = build_site.course_rows((REPO / "README.md").read_text(encoding="utf-8"))
-    for stem, row in zip(LESSONS, table[2:], strict=True):
-        assert f"[Title {stem}](lessons/{stem}.ipynb)" in row
-        assert readme[stem][0] in row  # what it teaches, from README.md
-        assert re.search(r"\| [\d.]+\u00a0s \|$", row)  # its run-all time, from docs/WORKSHOP.md
+    for stem, row in zip(LESSONS, rows[1:], strict=True):
+        assert row[0] == f"[Title {stem}](lessons/{stem}.ipynb)"
+        assert row[1] == f"  - {readme[stem][0]}"  # what it teaches, from README.md
+        assert re.fullmatch(r"  - [\d.]+\u00a0s", row[-1])  # its run-all time, from docs/WORKSHOP.md
 
 
 def test_a_readme_without_the_course_table_is_an_error():

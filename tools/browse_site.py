@@ -9,8 +9,8 @@ reference pages. On every page:
 - no console error, no uncaught page error, no failed request (the site works offline);
 - every image has loaded, has alt text that says what it shows (not a file name), and a
   saved figure is a link to the image itself (tap to open it full size);
-- the page is no wider than the screen, and at 1280 px no code or output box scrolls
-  sideways (long lines wrap);
+- the page is no wider than the screen, no box cuts its content off at the right, and at
+  1280 px no code or output box scrolls sideways (long lines wrap);
 - no test machinery in the text (``NBVAL_``, the Makefile check of 00, issue numbers).
 
 And per issue 27's items:
@@ -52,10 +52,26 @@ IMAGES_JS = """() => [...document.querySelectorAll('article img, .bd-article img
   src: i.currentSrc || i.src, ok: i.complete && i.naturalWidth > 0, alt: i.alt || '',
   link: i.closest('a') ? i.closest('a').getAttribute('href') : null,
   data: (i.getAttribute('src') || '').startsWith('data:')}))"""
-OVERFLOW_JS = "() => document.documentElement.scrollWidth - window.innerWidth"
+# Against the screen's width, not window.innerWidth: a phone browser widens its layout
+# viewport to fit a page that overflows (innerWidth grows with the page, so the difference
+# would always be 0).
+OVERFLOW_JS = "(screen) => Math.max(document.documentElement.scrollWidth, window.innerWidth) - screen"
 SCROLLING_CODE_JS = """() => [...document.querySelectorAll('.bd-article pre')]
   .filter(p => p.offsetParent !== null && p.scrollWidth > p.clientWidth + 1)
   .map(p => p.textContent.slice(0, 60))"""
+# Content past the right edge of the screen that the reader cannot scroll to: a page
+# container clips it (so the page itself does not scroll and OVERFLOW_JS sees nothing).
+CUT_JS = """() => { const out = [];
+  for (const e of document.querySelectorAll('.bd-article *')) {
+    const r = e.getBoundingClientRect();
+    if (!r.width || r.right <= document.documentElement.clientWidth + 1 || e.closest('.MathJax_Display, .MathJax, .al-emoji')) continue;
+    let scrolls = false;
+    for (let a = e.parentElement; a && !a.matches('.bd-article'); a = a.parentElement) {
+      if (['auto', 'scroll'].includes(getComputedStyle(a).overflowX)) { scrolls = true; break; }
+    }
+    if (!scrolls && !e.querySelector('*')) out.push(e.tagName.toLowerCase() + ': ' + e.textContent.trim().slice(0, 50));
+  }
+  return out; }"""
 TEXT_JS = "() => document.querySelector('.bd-article') ? document.querySelector('.bd-article').innerText : ''"
 THEME_WORDS = ("Light", "Dark", "System Settings", "Search Ctrl", "Skip to main content", "Back to top")
 _HASHED = re.compile(r"[0-9a-f]{16,}|\.png$|^\.\./_images/")
@@ -144,9 +160,12 @@ def _check_page(context, base: str, name: str, kind: str, shots: Path) -> list[s
             failures.append(f"{where}: an image without meaningful alt text: {image['alt']!r}")
         if not image["data"] and "_images/" in image["src"] and not (image["link"] or "").endswith(".png"):
             failures.append(f"{where}: a figure that does not open full size: {image['src'][-40:]}")
-    overflow = page.evaluate(OVERFLOW_JS)
+    overflow = page.evaluate(OVERFLOW_JS, WIDTHS[kind][0])
     if overflow > 1:
         failures.append(f"{where}: the page is {overflow} px wider than the screen")
+    cut = page.evaluate(CUT_JS)
+    if cut:
+        failures.append(f"{where}: {len(cut)} boxes cut their content off at the right, e.g. {cut[0]!r}")
     if kind == "desktop":
         scrolling = page.evaluate(SCROLLING_CODE_JS)
         if scrolling:

@@ -215,7 +215,8 @@ def run_all_times(workshop: str) -> dict[str, str]:
 
 
 def course_table(stems: list[str], titles: dict[str, str]) -> str:
-    """The landing page's table of the lessons (Markdown)."""
+    """The landing page's table of the lessons (MyST Markdown): each lesson with what it
+    teaches (README.md) and its measured run-all time (docs/WORKSHOP.md)."""
     readme = course_rows((REPO / "README.md").read_text(encoding="utf-8"))
     times = run_all_times((REPO / "docs" / "WORKSHOP.md").read_text(encoding="utf-8"))
     missing = [s for s in stems if s not in readme or s[:2] not in times]
@@ -223,11 +224,14 @@ def course_table(stems: list[str], titles: dict[str, str]) -> str:
         raise SiteError(
             f"README.md's course table or docs/WORKSHOP.md's run-all table lacks {missing}"
         )
+    # a list-table, for its class: on a phone accumlab.css lays each row out as a card
     header = ["lesson", *readme[""], "run all"]
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    for stem in stems:
-        link = f"[{titles[stem]}]({LESSONS_DIR}/{stem}.ipynb)"
-        lines.append("| " + " | ".join([link, *readme[stem], times[stem[:2]]]) + " |")
+    lines = [":::{list-table}", ":header-rows: 1", ":class: al-lessons", ""]
+    for cells in [header] + [
+        [f"[{titles[stem]}]({LESSONS_DIR}/{stem}.ipynb)", *readme[stem], times[stem[:2]]] for stem in stems
+    ]:
+        lines += [f"* - {cells[0]}", *(f"  - {cell}" for cell in cells[1:])]
+    lines.append(":::")
     return "\n".join(lines)
 
 
@@ -261,34 +265,32 @@ def run_box(
     teaches: str = "",
     exercises: int = 0,
 ) -> str:
-    """The "Run this notebook" box a lesson page shows under its title (MyST Markdown).
-    ``install_cell``: whether the notebook starts with tools/install_cell.py's cell;
-    ``teaches``: README.md's line on what the lesson teaches; ``exercises``: how many."""
+    """What a lesson page shows under its title (MyST Markdown): README.md's line on what it
+    teaches (``teaches``), then the "Run this notebook" box: locally, in a hosted service,
+    as a download, its ``exercises`` count. ``install_cell``: whether the notebook starts
+    with tools/install_cell.py's cell."""
     links = hosted_links(repository, f"{stem}.ipynb")
-    hosted = " · ".join(f"[open in {name}]({url})" for name, url in links.items())
+    hosted = " · ".join(f"[{name}]({url})" for name, url in links.items())
     if install_cell:
-        how = "The first code cell installs accumlab there; where accumlab is installed it does nothing."
+        how = "the first code cell installs accumlab there (where it is installed, it does nothing)."
     else:
-        how = f'Install accumlab there first: `%pip install "accumlab @ git+{repository}@{BRANCH}"`.'
+        how = f'install accumlab there first: `%pip install "accumlab @ git+{repository}@{BRANCH}"`.'
 
-    lines = [
+    lines = [f"**In this lesson**: {teaches}.", ""] if teaches else []
+    lines += [
         ":::{admonition} Run this notebook",
         ":class: tip run-this-notebook",
-    ]
-    if teaches:
-        lines.append(f"- **What it teaches**: {teaches}.")
-    lines += [
-        f"- **On your machine**: `make lab` in a clone of the [repository]({repository}) "
-        "opens JupyterLab ([run it locally](../index.md#run-it-locally); on Windows, in WSL); "
-        f"this lesson is your own copy, `my-notebooks/{stem}.ipynb`.",
-        f"- **In a hosted notebook service**: {hosted}. {how}",
-        f"- **Download**: {{download}}`{stem}.ipynb </{DOWNLOADS_DIR}/{stem}.ipynb>`, the notebook "
-        "with its saved outputs, to open in any Jupyter.",
+        f"- **On your machine**: `make lab` in a clone of the [repository]({repository}) opens "
+        f"your own copy, `my-notebooks/{stem}.ipynb` ([how](../index.md#run-it-locally); "
+        "Windows: in WSL).",
+        f"- **Hosted**, nothing to install: open in {hosted}; {how}",
+        f"- **Download**: {{download}}`{stem}.ipynb </{DOWNLOADS_DIR}/{stem}.ipynb>`, with its "
+        "saved outputs.",
     ]
     if exercises:
         lines.append(
-            f"- **Exercises**: {exercises}, each checked in the notebook; hints and solutions "
-            f"fold open under each one here ([all exercises](../{EXERCISES_PAGE}))."
+            f"- **Exercises**: {exercises}, with hints and a solution folded under each "
+            f"([all exercises](../{EXERCISES_PAGE}))."
         )
     if stem in TEACHES_LOOP:
         lines.append(
@@ -461,8 +463,9 @@ def exercise_box(exercise: dict) -> str:
     count = len(exercise["hints"])
     return (
         f'<div class="al-exercise" id="help-{exercise["path"].replace(".", "-")}">\n'
-        f'<details class="al-hints"><summary>Hints for <code>{path}</code> ({count}, in order: '
-        f"open when stuck)</summary><ol>{hints}</ol></details>\n"
+        f'<details class="al-hints"><summary>{"Hint" if count == 1 else f"{count} hints"} for '
+        f"<code>{path}</code> (open when stuck{'' if count == 1 else ', one at a time'})</summary>"
+        f"<ol>{hints}</ol></details>\n"
         f'<details class="al-solution"><summary>Solution of <code>{path}</code> (try it first)</summary>'
         f'<pre class="al-solution-text">{html.escape(exercise["solution"])}</pre></details>\n'
         "</div>\n"

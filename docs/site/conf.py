@@ -51,6 +51,8 @@ myst_update_mathjax = False
 mathjax_path = "mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full"
 mathjax2_config = {
     "tex2jax": {"inlineMath": [["\\(", "\\)"]], "displayMath": [["\\[", "\\]"]]},
+    # \_ inside \text{...} (loss\_sum), as JupyterLab's MathJax 3 shows it
+    "TeX": {"extensions": ["text-macros.js"]},
     # MathJax's blank test font points to about:blank, which the browser refuses (a console
     # error); a local() font that does not exist serves the same purpose, quietly
     "HTML-CSS": {"availableFonts": [], "imageFont": None, "preferredFont": None,
@@ -73,7 +75,7 @@ root_doc = "index"
 # API reference: docstrings are reST with Google-style sections where they have them.
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
-autodoc_default_options = {"members": True, "show-inheritance": False}
+autodoc_default_options = {"members": True}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
