@@ -291,3 +291,27 @@ def test_the_cuda_hint_names_the_command_that_was_run(tmp_path):
     for goal in ("site", "test"):
         run = subprocess.run(["make", "-n", goal, "TORCH_INDEX="], cwd=clone, capture_output=True, text=True, env=environ)
         assert f"run make {goal} TORCH_INDEX=cpu" in run.stdout, run.stdout[:500]
+
+
+# --- lessons come from the files: a ninth appears without a list to update ----------------
+
+
+def test_a_new_lesson_notebook_appears_on_the_site_and_in_the_exercise_index(tmp_path, capsys):
+    notebooks = tmp_path / "notebooks"
+    shutil.copytree(REPO / "notebooks", notebooks)
+    _notebook(notebooks / "98_a_new_lesson.ipynb", [
+        {"cell_type": "markdown", "id": "t", "metadata": {}, "source": "# 98 · A new lesson\n\nIntro.\n"},
+        {"cell_type": "markdown", "id": "s", "metadata": {}, "source": "## 1. A section\n\nText.\n"},
+    ])  # fmt: skip
+    stems = build_site.assemble(tmp_path / "src", notebooks)
+    assert stems[-1] == "98_a_new_lesson" and len(stems) == len(LESSONS) + 1
+    index = (tmp_path / "src" / "index.md").read_text(encoding="utf-8")
+    assert "lessons/98_a_new_lesson\n" in index  # in the sidebar's lessons
+    assert "[98 · A new lesson](lessons/98_a_new_lesson.ipynb)" in index  # in the lessons' table
+    assert "not measured" in index
+    exercises = (tmp_path / "src" / "exercises.md").read_text(encoding="utf-8")
+    assert "## 98 · A new lesson\n\nNo exercise in this lesson." in exercises
+    assert (tmp_path / "src" / "_notebooks" / "98_a_new_lesson.ipynb").is_file()
+    err = capsys.readouterr().err
+    assert "README.md's course table has no row for 98_a_new_lesson" in err
+    assert "docs/WORKSHOP.md's run-all table has no time for 98_a_new_lesson" in err
