@@ -55,7 +55,7 @@ def test_a_sound_notebook_with_a_figure_reads(tmp_path):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda p: p.write_text(p.read_text()[: len(p.read_text()) // 2]), r"01_x\.ipynb is not valid JSON \(.* at line \d+, column \d+"),
+        (lambda p: p.write_text(p.read_text()[: len(p.read_text()) // 2]), r"01_x\.ipynb is not valid JSON \(.*: line \d+, column \d+"),
         (lambda p: p.write_text('{"nbformat": 4, "metadata": {}}'), r"01_x\.ipynb is not a notebook: it has no list of 'cells'"),
         (lambda p: p.write_text('[1, 2]'), r"01_x\.ipynb is not a notebook"),
         (lambda p: p.write_bytes(b"\xff\xfe{not utf-8"), r"01_x\.ipynb is not UTF-8 text"),
@@ -64,6 +64,7 @@ def test_a_sound_notebook_with_a_figure_reads(tmp_path):
         (lambda p: _notebook(p, [_figure_cell(base64.b64encode(b"GIF89a not a png at all").decode())]), r"figure is cut short or corrupt"),
         (lambda p: _notebook(p, [{"cell_type": "markdown", "source": 3}]), r"01_x\.ipynb, cell 1: its source is not text"),
         (lambda p: _notebook(p, [{"source": "x"}]), r"01_x\.ipynb, cell 1: not a cell"),
+        (lambda p: _notebook(p, [{"cell_type": "code", "metadata": {}, "source": "x"}]), r"01_x\.ipynb does not match the notebook format \(.*outputs"),
     ],
 )
 def test_a_damaged_notebook_is_named_with_what_is_wrong_and_the_fix(tmp_path, damage, message):

@@ -2,19 +2,33 @@
 
     .venv/bin/python tools/build_site.py            # build/site-src -> site/ (what `make site` runs first)
 
-Steps: assemble the Sphinx sources in build/site-src/ (docs/site's pages, a copy of every
-notebook in notebooks/ and of docs/ARCHITECTURE.md and docs/WORKSHOP.md), then run
-``sphinx-build -W --keep-going`` into site/. Nothing is executed and nothing in the
-repository is written except site/ and build/ (both git-ignored). While copying:
+Steps: read and check every notebook in notebooks/ (a damaged one stops the build with one
+line naming the file, the cell and the fix), assemble the Sphinx sources in build/site-src/
+(docs/site's pages, a copy of every notebook and of docs/ARCHITECTURE.md and
+docs/WORKSHOP.md), then run ``sphinx-build -W --keep-going`` into site/. Nothing is
+executed and nothing in the repository is written except site/ and build/ (both
+git-ignored). Every NN_*.ipynb in notebooks/ is a lesson: a new one appears without a list
+to update. While copying:
 
-- each lesson gets a "Run this notebook" box under its title: locally (``make lab``) or in
-  a hosted notebook service, with links built from the repository URL in pyproject.toml's
-  ``[project.urls]``; the lessons that teach the reference loop link to its page;
+- each lesson gets, under its title, what it teaches (README.md's course table) and a
+  "Run this notebook" box: locally (``make lab``), in a hosted notebook service, as a
+  download of the notebook as committed, and its exercises;
+- test machinery is hidden: ``# NBVAL_...`` marker lines, a cell that checks the
+  Makefile, the project's issue numbers in the docs;
+- every saved figure gets alt text (its title in the code, else the text above it);
+- under each exercise's checking cell, its hints and its solution, folded (<details>);
+  exercises.md lists every exercise by lesson with what it practises;
+- the terms a lesson teaches (README.md's course table: code spans, OOM, DDP, ...) become
+  main index entries at the first section that uses them, so the search lists that lesson
+  first and opens that section;
+- reference/api.md documents every public name: ``accumlab.__all__``, each public
+  subpackage's ``__all__``, the course helpers and the exercise checkers;
 - a relative link to a file that is a page of the site points to that page, a link to any
   other file of the repository points to it on the repository host, and a link to a file
   that does not exist stops the build;
 - the landing page's lesson table is made from README.md's course table (what each
-  lesson teaches) and docs/WORKSHOP.md's measured run-all time per notebook.
+  lesson teaches) and docs/WORKSHOP.md's measured run-all time per notebook, and its study
+  time from docs/WORKSHOP.md.
 
 tools/check_site.py then checks the built site (`make site` runs both).
 """
@@ -34,6 +48,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from urllib.parse import quote
 
@@ -58,6 +73,11 @@ EXERCISES_PAGE = "exercises.md"
 DOC_PAGES = {"docs/ARCHITECTURE.md": "docs/architecture.md", "docs/WORKSHOP.md": "docs/workshop.md"}
 _MD_LINK = re.compile(r"(!?\[[^\]]*\])\(([^)\s]+)\)")
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+
+
+def note(message: str) -> None:
+    """A line on stderr for what the site shows in a degraded way (never silently)."""
+    print(f"build_site: note: {message}", file=sys.stderr)
 
 
 class SiteError(RuntimeError):
@@ -119,7 +139,7 @@ def read_notebook(path: Path) -> dict:
         raise SiteError(f"{where} is not UTF-8 text (byte {err.start}): {fix}") from None
     except json.JSONDecodeError as err:
         raise SiteError(
-            f"{where} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}; "
+            f"{where} is not valid JSON ({err.msg}: line {err.lineno}, column {err.colno}; "
             f"a cut or hand-edited file?): {fix}"
         ) from None
     if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
@@ -153,6 +173,17 @@ def read_notebook(path: Path) -> dict:
                 if not raw.startswith(head) or tail not in raw[-16:]:
                     what = "not base64" if not raw else "cut short or corrupt"
                     raise SiteError(f"{where}, cell {i}, output {j}: its {mime} figure is {what}: {fix}")
+    try:  # what myst-nb will read: the notebook format's own schema
+        import nbformat
+    except ImportError:
+        return nb
+    try:
+        with warnings.catch_warnings():  # a missing cell id is repaired by the reader; not an error
+            warnings.simplefilter("ignore")
+            nbformat.validate(nbformat.from_dict(nb))
+    except nbformat.ValidationError as err:
+        first = str(err.message).splitlines()[0]
+        raise SiteError(f"{where} does not match the notebook format ({first}): {fix}") from None
     return nb
 
 
@@ -219,11 +250,15 @@ def course_table(stems: list[str], titles: dict[str, str]) -> str:
     teaches (README.md) and its measured run-all time (docs/WORKSHOP.md)."""
     readme = course_rows((REPO / "README.md").read_text(encoding="utf-8"))
     times = run_all_times((REPO / "docs" / "WORKSHOP.md").read_text(encoding="utf-8"))
-    missing = [s for s in stems if s not in readme or s[:2] not in times]
-    if missing:
-        raise SiteError(
-            f"README.md's course table or docs/WORKSHOP.md's run-all table lacks {missing}"
-        )
+    # A new lesson is on the site as soon as its notebook is: where README.md or
+    # docs/WORKSHOP.md do not describe it yet, its row says so (and the build says it).
+    for stem in stems:
+        if stem not in readme:
+            note(f"README.md's course table has no row for {stem}: its 'teaches' cell is empty")
+            readme[stem] = ["(not in README.md's course table yet)"] * len(readme[""])
+        if stem[:2] not in times:
+            note(f"docs/WORKSHOP.md's run-all table has no time for {stem}")
+            times[stem[:2]] = "not measured"
     # a list-table, for its class: on a phone accumlab.css lays each row out as a card
     header = ["lesson", *readme[""], "run all"]
     lines = [":::{list-table}", ":header-rows: 1", ":class: al-lessons", ""]
@@ -435,8 +470,8 @@ def lesson_exercises(stem: str, nb: dict) -> list[dict]:
             comment = re.search(rf"^\w*{name}\w*\s*=\s*\.\.\.\s*#\s*(.+)$", cell["source"], re.M)
             if name in bullets:
                 practises = _first_sentence(bullets[name])
-            elif comment:
-                practises = comment.group(1).strip()
+            elif comment:  # "a number: AdamW's update ..." -> "AdamW's update ..."
+                practises = re.sub(r"^(?:an? (?:number|int|float|choice|string|bool)\w*)\s*:\s*", "", comment.group(1).strip())
             else:
                 practises = re.sub(r"^[\d.]+\s*|^Exercise[^:]*:\s*", "", section)
             predicted = "predictions" in exercise.checker.__module__ or re.search(
@@ -499,13 +534,13 @@ def exercises_page(lessons: list[tuple[str, str, list[dict]]]) -> str:
         if not exercises:
             lines += ["No exercise in this lesson.", ""]
             continue
-        lines += ["| exercise | kind | what it practises |", "| --- | --- | --- |"]
+        lines += [":::{list-table}", ":header-rows: 1", ":class: al-exercises", ""]
+        lines += ["* - exercise", "  - kind", "  - what it practises"]
         for ex in exercises:
             anchor = heading_anchor(ex["section"]) if ex["section"] else ""
             target = f"{LESSONS_DIR}/{stem}.ipynb" + (f"#{anchor}" if anchor else "")
-            practises = ex["practises"].replace("|", "\\|")
-            lines.append(f"| [`{ex['path']}`]({target}) | {ex['kind']} | {practises} |")
-        lines.append("")
+            lines += [f"* - [`{ex['path']}`]({target})", f"  - {ex['kind']}", f"  - {ex['practises']}"]
+        lines += [":::", ""]
     return "\n".join(lines)
 
 
