@@ -688,16 +688,24 @@ def api_entries() -> str:
         section("Functions", "", functions),
         section("Constants", "", others),
     ]
-    for sub in _public_modules():
+    subpackages = _public_modules()
+    for name in accumlab.__all__:  # a module in __all__ without its own __all__: all its members
+        obj = getattr(accumlab, name)
+        if inspect.ismodule(obj) and name not in subpackages:
+            entry = f".. automodule:: accumlab.{name}\n   :members:\n"
+            parts.append(section(f"`accumlab.{name}`", "", [entry]))
+    for sub in subpackages:
         full = f"accumlab.{sub}"
         try:
             module = importlib.import_module(full)
-        except ImportError as err:
+        except (ImportError, RuntimeError) as err:  # an optional extra that is not installed
             parts.append(section(f"`{full}`", f"Not importable where this site was built ({err}); "
                                  "it needs an optional extra.", []))
             continue
+        if not hasattr(module, "__all__"):
+            continue  # no public names of its own (internal, or reached through accumlab.__all__)
         entries = [f".. automodule:: {full}\n   :no-members:\n"]
-        for name in getattr(module, "__all__", []):
+        for name in module.__all__:
             obj = getattr(module, name)
             if inspect.ismodule(obj):
                 entries.append(f".. py:module:: {full}.{name}\n")

@@ -183,9 +183,10 @@ def public_names() -> dict[str, list[str]]:
             continue
         try:
             module = importlib.import_module(f"accumlab.{sub}")
-        except ImportError:
+        except (ImportError, RuntimeError):  # an optional extra that is not installed
             continue
-        names[f"accumlab.{sub}"] = [f"accumlab.{sub}.{n}" for n in module.__all__]
+        if hasattr(module, "__all__"):  # a subpackage that declares its public names
+            names[f"accumlab.{sub}"] = [f"accumlab.{sub}.{n}" for n in module.__all__]
     for path in sorted((REPO / "accumlab" / "course").glob("*.py")):
         if path.stem.startswith("_"):
             continue
