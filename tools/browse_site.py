@@ -403,11 +403,17 @@ def _check_search(context, base: str, kind: str, shots: Path, query: str, lesson
     except Exception:  # playwright's TimeoutError
         page.close()
         return [f"{kind}: the search for {query} found nothing"]
+    page.wait_for_function(  # accumlab.js points page-level results at their section
+        "() => [...document.querySelectorAll('#search-results ul.search li > a')]"
+        ".every(a => a.getAttribute('href').includes('#') || a.dataset.accumlabSection === 'done')",
+        timeout=15000,
+    )
     hrefs = page.eval_on_selector_all("#search-results ul.search li > a", "els => els.map(e => e.getAttribute('href'))")
     snippets = page.eval_on_selector_all("#search-results ul.search li p.context", "els => els.map(e => e.textContent)")
     page.screenshot(path=shots / f"{kind}-search-{query}.png")
     page.close()
-    print(f"{kind}: search for {query}: {len(hrefs)} results, first {hrefs[:2]}", flush=True)
+    on_top = sum("#" not in h for h in hrefs)  # where the term is in the page's introduction
+    print(f"{kind}: search for {query}: {len(hrefs)} results ({on_top} at a page's top), first {hrefs[:2]}", flush=True)
     failures = []
     if not hrefs or lesson not in hrefs[0] or (section and "#" not in hrefs[0]):
         what = "a section of lesson" if section else "lesson"

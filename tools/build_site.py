@@ -311,7 +311,8 @@ def run_box(
     else:
         how = f'install accumlab there first: `%pip install "accumlab @ git+{repository}@{BRANCH}"`.'
 
-    lines = [f"**In this lesson**: {teaches}.", ""] if teaches else []
+    # (a container, so the search's section links skip this summary: see accumlab.js)
+    lines = [":::{container} al-teaches", f"**In this lesson**: {teaches}.", ":::", ""] if teaches else []
     lines += [
         ":::{admonition} Run this notebook",
         ":class: tip run-this-notebook",
