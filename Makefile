@@ -20,7 +20,7 @@ torch_index_url = $(if $(findstring ://,$(TORCH_INDEX)),$(TORCH_INDEX),$(TORCH_I
 # ...) come from pip's usual index in a second step, so an index that serves only PyTorch
 # or a mirror without the rest works, and an unreachable index fails in seconds.
 torch_pip_args = $(if $(strip $(TORCH_INDEX)),--index-url $(torch_index_url) --no-deps --retries 1 --timeout 20)
-torch_default_note := pip's default index; on Linux that is the CUDA build, several GB: on a Linux machine without an NVIDIA GPU stop here and run make lab TORCH_INDEX=cpu
+torch_default_note = pip's default index; on Linux that is the CUDA build, several GB: on a Linux machine without an NVIDIA GPU stop here (Ctrl-C) and run make $(or $(MAKECMDGOALS),lab) TORCH_INDEX=cpu
 torch_from = $(if $(strip $(TORCH_INDEX)),$(strip $(TORCH_INDEX)) build from $(torch_index_url),$(torch_default_note))
 
 # pip shows its own progress; PIPFLAGS=-q (as CI sets it) keeps only warnings and errors.
@@ -144,10 +144,16 @@ notebooks: $(VENV)/.installed-dev
 
 # The course as a static HTML book in site/ (git-ignored), from the committed notebooks
 # without running them; Sphinx warnings are errors. Then tools/check_site.py checks it:
-# every lesson has a page, every image and local link resolves. Open site/index.html.
+# every lesson has a page, every image and local link resolves, math, downloads, alt
+# text, the API reference and the exercise index are complete. Open site/index.html.
+# Nothing is executed, so the site needs no GPU build of PyTorch (autodoc imports
+# accumlab, which imports torch): where no PyTorch is installed yet, `make site` takes the
+# CPU build (about 190 MB) instead of pip's default, the multi-GB CUDA build on Linux. An
+# installed PyTorch is kept; TORCH_INDEX on the command line or in the environment wins.
 .PHONY: site
+site: TORCH_INDEX := $(if $(filter environment command line,$(origin TORCH_INDEX)),$(TORCH_INDEX),cpu)
 $(VENV)/.installed-site: $(VENV)/.installed-core
-	@echo "installing the site tools (Sphinx, myst-nb, sphinx-book-theme) ..."
+	@echo "installing the site tools (Sphinx, myst-nb, sphinx-book-theme, MathJax, copy buttons) ..."
 	$(PIP) -e ".[site]"
 	@touch $@
 

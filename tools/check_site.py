@@ -12,7 +12,23 @@ Fails (exit 1, one line per problem) unless:
   ``#fragment`` to a page points to an id on that page;
 - the reference loop page shows ``accumulate`` and ``train_window`` in full, and the lessons
   that teach them link to it;
-- the search index holds ``no_sync``.
+- the search index holds ``no_sync``, and ``OOM`` as a main entry of lesson 05 (the
+  lesson whose README.md row teaches it);
+- no raw TeX (``$$``, ``\\frac``, ``\\text{``) in a page's prose: math sits in MathJax's
+  elements, and a page with math loads the site's own MathJax;
+- each lesson page offers its notebook for download, the file there is that notebook as
+  committed, and no link points into ``_sources/`` (which the site does not copy);
+- no page can be wider than a phone (390 px): every page loads accumlab.css, whose rule
+  wraps code and output lines (a static proxy for tools/browse_site.py's measurement), and
+  no page sets ``white-space: pre``/``nowrap`` inline or a width over 390 px;
+- every image has alt text that says what it shows (not empty, not a file name or hash);
+- every public name has an entry in reference/api.html: ``accumlab.__all__``, each public
+  subpackage's ``__all__``, the course helpers' functions and classes, every exercise;
+- every exercise a notebook checks is listed in exercises.html with a link to its lesson,
+  and its lesson page folds its hints and solution;
+- no test machinery on a lesson page (``NBVAL_`` markers, 00's Makefile check) and no
+  issue number on any page; ⏳ ✅ ❌ only inside the spans that draw them from SVG;
+- the landing page has a "Start lesson 00 →" link and the study time.
 
 It reads files only: no browser, no network (tools/browse_site.py is the browser check).
 """
@@ -22,7 +38,11 @@ from __future__ import annotations
 import ast
 import base64
 import binascii
+import hashlib
 import html
+import importlib
+import inspect
+import json
 import posixpath
 import re
 import sys
@@ -35,9 +55,22 @@ sys.path.insert(0, str(REPO / "tools"))
 
 from build_site import LESSONS_DIR, OUT, TEACHES_LOOP  # noqa: E402
 
+NOTEBOOKS = REPO / "notebooks"
+PHONE_PX = 390
+_RAW_TEX = re.compile(r"\$\$|\\frac\b|\\text\{|\\times\b")
+_HASHED_ALT = re.compile(r"[0-9a-f]{16,}|\.(?:png|jpe?g|svg)$", re.IGNORECASE)
+_EMOJI = "⏳✅❌"
+
+
+# accumlab.css gives these overflow-x: auto (a saved widget's own HTML table)
+_SCROLL_BOXES = {"static-widget"}
+_VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
 
 class _Page(HTMLParser):
-    """The ids, links (href), sources (src) and images of one HTML page."""
+    """The ids, links (href), sources (src), images with their alt text, inline styles and
+    widths of one HTML page, and its prose: the article's text outside math, code, scripts
+    and styles."""
 
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
@@ -45,6 +78,15 @@ class _Page(HTMLParser):
         self.links: list[str] = []
         self.sources: list[str] = []
         self.images: list[str] = []
+        self.alts: dict[str, str] = {}
+        self.styles: list[str] = []
+        self.widths: list[tuple[str, str]] = []
+        self.prose: list[str] = []
+        self.text: list[str] = []
+        self.scripts: list[str] = []
+        self._stack: list[bool] = []  # per open element: is it (inside) math/code/script?
+        self._article = 0
+        self._boxed: list[bool] = []  # per open element: inside a box that scrolls itself?
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = {k: v or "" for k, v in attrs}
@@ -58,6 +100,41 @@ class _Page(HTMLParser):
             self.sources.append(a["src"])
             if tag == "img":
                 self.images.append(a["src"])
+                self.alts[a["src"]] = a.get("alt", "")
+            if tag == "script":
+                self.scripts.append(a["src"])
+        classes = a.get("class", "").split()
+        boxed = bool(self._boxed and self._boxed[-1]) or any(c in _SCROLL_BOXES for c in classes)
+        if "style" in a and not boxed:  # inside a box that scrolls on its own, it cannot widen the page
+            self.styles.append(a["style"])
+        for key in ("width", "min-width"):
+            if key in a and tag in ("img", "table", "iframe", "div", "pre", "video", "canvas"):
+                self.widths.append((tag, a[key]))
+        if tag in _VOID:
+            return
+        self._boxed.append(boxed)
+        hidden = (self._stack[-1] if self._stack else False) or tag in ("script", "style", "pre", "code", "kbd") or any(
+            c.startswith("math") for c in classes
+        )
+        self._stack.append(hidden)
+        if tag == "article":
+            self._article += 1
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in _VOID:
+            return
+        if self._stack:
+            self._stack.pop()
+        if self._boxed:
+            self._boxed.pop()
+        if tag == "article":
+            self._article -= 1
+
+    def handle_data(self, data: str) -> None:
+        if self._article > 0:
+            self.text.append(data)
+            if not (self._stack and self._stack[-1]):
+                self.prose.append(data)
 
 
 def _parse(path: Path) -> _Page:
@@ -84,6 +161,164 @@ def loop_functions() -> dict[str, str]:
         if isinstance(node, ast.FunctionDef) and node.name in ("accumulate", "train_window")
     }
     return {name: found.get(name) or "def " + name for name in ("accumulate", "train_window")}
+
+
+def public_names() -> dict[str, list[str]]:
+    """Every name the API reference must document, by where it comes from (read from the
+    package, not from the page builder): ``accumlab.__all__``, each subpackage's
+    ``__all__`` (one that cannot be imported for a missing optional dependency is left
+    out), the functions and classes defined in each course helper module, and every
+    exercise of every ``accumlab.course.exercises.exNN``."""
+    import accumlab
+
+    names: dict[str, list[str]] = {"accumlab": [], "course helpers": [], "exercises": []}
+    for name in accumlab.__all__:
+        if inspect.ismodule(getattr(accumlab, name)):
+            names["accumlab"].append(f"module-accumlab.{name}")
+        else:
+            names["accumlab"].append(f"accumlab.{name}")
+    for init in sorted((REPO / "accumlab").glob("*/__init__.py")):
+        sub = init.parent.name
+        if sub == "course" or "__all__" not in init.read_text(encoding="utf-8"):
+            continue
+        try:
+            module = importlib.import_module(f"accumlab.{sub}")
+        except (ImportError, RuntimeError):  # an optional extra that is not installed
+            continue
+        if hasattr(module, "__all__"):  # a subpackage that declares its public names
+            names[f"accumlab.{sub}"] = [f"accumlab.{sub}.{n}" for n in module.__all__]
+    for path in sorted((REPO / "accumlab" / "course").glob("*.py")):
+        if path.stem.startswith("_"):
+            continue
+        module = importlib.import_module(f"accumlab.course.{path.stem}")
+        for name, value in vars(module).items():
+            if name.startswith("_") or getattr(value, "__module__", None) != module.__name__:
+                continue
+            if inspect.isfunction(value) or inspect.isclass(value):
+                names["course helpers"].append(f"{module.__name__}.{name}")
+    exercises = importlib.import_module("accumlab.course.exercises")
+    for path in sorted((REPO / "accumlab" / "course" / "exercises").glob("ex[0-9][0-9].py")):
+        module = importlib.import_module(f"accumlab.course.exercises.{path.stem}")
+        for name, value in vars(module).items():
+            if isinstance(value, exercises.Exercise):
+                names["exercises"].append(f"{module.__name__}.{name}")
+    return names
+
+
+def notebook_exercises(path: Path) -> list[str]:
+    """``exNN.name`` of every exercise a notebook checks, in order (read from its code)."""
+    number = path.name[:2]
+    found: list[str] = []
+    for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+        if cell.get("cell_type") == "code":
+            for name in re.findall(rf"\bex{number}\.(\w+)\.(?:check|hint|solution)\(", "".join(cell["source"])):
+                if f"ex{number}.{name}" not in found:
+                    found.append(f"ex{number}.{name}")
+    return found
+
+
+def _css_wraps_code(site: Path) -> bool:
+    css = site / "_static" / "accumlab.css"
+    if not css.is_file():
+        return False
+    for rule in re.findall(r"([^{}]+)\{([^{}]*)\}", css.read_text(encoding="utf-8")):
+        selectors, body = rule
+        if "white-space: pre-wrap" in body and all(s in selectors for s in ("div.cell_input pre", "div.cell_output pre", "div.highlight pre")):
+            return True
+    return False
+
+
+def _extended_checks(site: Path, pages: dict[str, _Page], stems: list[str]) -> list[str]:
+    problems: list[str] = []
+    content = {n: p for n, p in pages.items() if not n.startswith(("_static/", "genindex", "search", "py-modindex"))}
+    wraps = _css_wraps_code(site)
+    if not wraps:
+        problems.append("_static/accumlab.css has no rule wrapping code and output lines (pre-wrap): pages scroll sideways")
+    for name, page in content.items():
+        prose = " ".join(page.prose)
+        raw = _RAW_TEX.search(prose)
+        if raw:
+            problems.append(f"{name}: raw TeX {raw.group(0)!r} in the text (not typeset as math)")
+        if not any(urlsplit(u).path.endswith("_static/accumlab.css") for u in page.links):
+            problems.append(f"{name}: does not load accumlab.css (code would not wrap on a phone)")
+        for style in page.styles:
+            if re.search(r"white-space\s*:\s*(?:pre|nowrap)\b(?!-)", style):
+                problems.append(f"{name}: an inline style {style!r} keeps a line from wrapping")
+        for tag, width in page.widths:
+            number = re.match(r"\s*(\d+)", width)
+            if number and not width.strip().endswith("%") and int(number.group(1)) > PHONE_PX:
+                problems.append(f"{name}: a <{tag}> {width} wide, wider than a {PHONE_PX} px phone")
+        for src, alt in page.alts.items():
+            if len(alt.strip()) < 20 or _HASHED_ALT.search(alt.strip()):
+                problems.append(f"{name}: an image without meaningful alt text ({alt!r}): {src[:60]}")
+        text = " ".join(page.text)
+        if re.search(r"\bissue \d+\b", text):
+            problems.append(f"{name}: a project issue number in the text")
+        if name.startswith(f"{LESSONS_DIR}/") and re.search(r"NBVAL_|Makefile really has|makefile\.read_text", text):
+            problems.append(f"{name}: test machinery (nbval markers or 00's Makefile check) on the page")
+        if any(u.startswith("_sources/") or "/_sources/" in u for u in page.links):
+            problems.append(f"{name}: a link into _sources/, which the site does not copy")
+    for name in content:
+        body = (site / name).read_text(encoding="utf-8")
+        bare = re.sub(r'<span class="al-emoji[^"]*"[^>]*>[' + _EMOJI + "]</span>", "", body)
+        bare = re.sub(r"<script.*?</script>", "", bare, flags=re.S)
+        if any(ch in bare for ch in _EMOJI):
+            problems.append(f"{name}: ⏳ ✅ ❌ outside the spans that draw them (an emoji font would be needed)")
+        if "class=\"math" in body and not any("mathjax/MathJax.js" in s for s in pages[name].scripts):
+            problems.append(f"{name}: has math but does not load the site's own MathJax")
+
+    for stem in stems:
+        lesson = f"{LESSONS_DIR}/{stem}.html"
+        if lesson not in pages:
+            continue
+        downloads = [u for u in pages[lesson].links if urlsplit(u).path.endswith(f"/{stem}.ipynb") and "_downloads/" in u]
+        if not downloads:
+            problems.append(f"{lesson}: no download link for {stem}.ipynb")
+        for url in downloads:
+            target = site / posixpath.normpath(posixpath.join(LESSONS_DIR, unquote(urlsplit(url).path)))
+            original = NOTEBOOKS / f"{stem}.ipynb"
+            if not target.is_file() or hashlib.sha256(target.read_bytes()).digest() != hashlib.sha256(original.read_bytes()).digest():
+                problems.append(f"{lesson}: the download {url} is not notebooks/{stem}.ipynb as committed")
+
+    api = pages.get("reference/api.html")
+    for where, names in public_names().items():
+        for full in names:
+            if api is None or full not in api.ids:
+                problems.append(f"reference/api.html has no entry for {full.removeprefix('module-')} ({where})")
+
+    listing = pages.get("exercises.html")
+    listed_text = " ".join(listing.text) if listing else ""
+    for stem in stems:
+        path = NOTEBOOKS / f"{stem}.ipynb"
+        lesson = f"{LESSONS_DIR}/{stem}.html"
+        if listing is None or not any(urlsplit(u).path == lesson for u in listing.links):
+            problems.append(f"exercises.html does not list lesson {stem}")
+        for exercise in notebook_exercises(path):
+            if exercise not in listed_text:
+                problems.append(f"exercises.html does not list {exercise} of lesson {stem}")
+            if lesson in pages and f"help-{exercise.replace('.', '-')}" not in pages[lesson].ids:
+                problems.append(f"{lesson}: no folded hints and solution for {exercise}")
+
+    index = pages.get("index.html")
+    if index is not None:
+        start = f"{LESSONS_DIR}/{stems[0]}.html" if stems else ""
+        body = (site / "index.html").read_text(encoding="utf-8")
+        if not re.search(r'<a class="[^"]*al-start[^"]*" href="' + re.escape(start) + '"', body) and not re.search(
+            r'href="' + re.escape(start) + r'"[^>]*class="[^"]*al-start', body
+        ):
+            problems.append(f"index.html has no 'Start lesson {stems[0][:2] if stems else ''} →' link to {start}")
+        if not re.search(r"\d\s*hours", " ".join(index.text)):
+            problems.append("index.html does not give the study time (hours)")
+    return problems
+
+
+def _search_index(site: Path) -> dict:
+    text = (site / "searchindex.js").read_text(encoding="utf-8")
+    start, end = text.find("("), text.rfind(")")
+    try:
+        return json.loads(text[start + 1 : end])
+    except ValueError:
+        return {}
 
 
 def check_site(site: Path) -> list[str]:
@@ -141,6 +376,14 @@ def check_site(site: Path) -> list[str]:
     index = site / "searchindex.js"
     if not index.is_file() or "no_sync" not in index.read_text(encoding="utf-8"):
         problems.append("searchindex.js does not hold no_sync")
+    else:
+        search = _search_index(site)
+        docnames = search.get("docnames", [])
+        oom = [e for e in search.get("indexentries", {}).get("oom", []) if e[2]]
+        teaching = [s for s in stems if s.startswith("05_")]
+        if teaching and not any(docnames[e[0]] == f"{LESSONS_DIR}/{teaching[0]}" for e in oom):
+            problems.append(f"searchindex.js: OOM is not a main entry of {teaching[0]} (search would not list it first)")
+    problems += _extended_checks(site, pages, stems)
     return problems
 
 

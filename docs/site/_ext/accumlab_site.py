@@ -1,4 +1,14 @@
-"""Sphinx extension of the course site: ipywidgets drawn from their saved state, offline.
+"""Sphinx extension of the course site: what makes the notebooks read well as pages, offline.
+
+- ipywidgets drawn from their saved state (below);
+- names of the package in the lessons' code spans (```al.train_window```,
+  ```accumlab.MemoryMeter```, ```ex01.adamw_ratio.check```) link to the API reference;
+- the status marks ⏳ ✅ ❌ of the checkers are drawn from small SVGs, so they show on a
+  machine without an emoji font (the character stays in the text for copy and search);
+- a saved figure opens full size when tapped (a link to the image itself);
+- MathJax 2 from the ``jupyter-server-mathjax`` package is copied into the site.
+
+The widgets:
 
 myst-nb writes a widget output as ``<script type="application/vnd.jupyter.widget-view+json">``
 and expects ipywidgets' JavaScript (from a CDN) to draw it from the notebook's saved widget
@@ -12,13 +22,18 @@ with a note that it moves when the notebook runs.
 from __future__ import annotations
 
 import html
+import importlib
+import importlib.util
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 from docutils import nodes
+from sphinx import addnodes
 from sphinx.application import Sphinx
+from sphinx.transforms import SphinxTransform
 from sphinx.transforms.post_transforms import SphinxPostTransform
 
 VIEW_MIME = "application/vnd.jupyter.widget-view+json"
@@ -44,9 +59,28 @@ def _format(value: Any, fmt: str | None) -> str:
         return str(value)
 
 
-def render_model(model_id: str, state: dict[str, Any]) -> str:
+def widget_settings(state: dict[str, Any]) -> list[str]:
+    """"description value" of every slider and choice in a saved widget state (the alt text
+    of the figure the widget drew names them)."""
+    found = []
+    for model in state.values():
+        s = model.get("state", {})
+        name = model.get("model_name", "")
+        description = str(s.get("description", "") or "").strip().rstrip(":")
+        if name.endswith("SliderModel") and description:
+            found.append(f"{description} {_format(s.get('value'), s.get('readout_format'))}")
+        elif name in ("DropdownModel", "RadioButtonsModel", "ToggleButtonsModel") and description:
+            options, index = s.get("_options_labels", []), s.get("index")
+            if isinstance(index, int) and 0 <= index < len(options):
+                found.append(f"{description} {options[index]}")
+    return found
+
+
+def render_model(model_id: str, state: dict[str, Any], settings: list[str] | None = None) -> str:
     """Static HTML for the widget ``model_id`` and its children, from ``state`` (the
     ``state`` mapping of a notebook's widget-state metadata)."""
+    if settings is None:
+        settings = widget_settings(state)
     if model_id not in state:
         raise WidgetStateError(f"widget model {model_id} is not in the notebook's saved state")
     model = state[model_id]
@@ -57,7 +91,7 @@ def render_model(model_id: str, state: dict[str, Any]) -> str:
 
     def children() -> str:
         refs = [c for c in s.get("children", []) if isinstance(c, str) and c.startswith(_REF)]
-        return "".join(render_model(ref[len(_REF) :], state) for ref in refs)
+        return "".join(render_model(ref[len(_REF) :], state, settings) for ref in refs)
 
     if name in ("VBoxModel", "BoxModel", "GridBoxModel", "AccordionModel", "TabModel"):
         return f'<div class="sw-vbox">{children()}</div>'
@@ -86,11 +120,14 @@ def render_model(model_id: str, state: dict[str, Any]) -> str:
         chosen = options[index] if isinstance(index, int) and 0 <= index < len(options) else ""
         return f'<div class="sw-label">{label}<span>{html.escape(str(chosen))}</span></div>'
     if name == "OutputModel":
-        return f'<div class="sw-output">{_outputs_html(s.get("outputs", []))}</div>'
+        alt = "figure drawn by the widget at its saved settings"
+        if settings:
+            alt += ": " + ", ".join(settings)
+        return f'<div class="sw-output">{_outputs_html(s.get("outputs", []), alt)}</div>'
     return f'<div class="sw-label">[{html.escape(name or "widget")}]</div>'
 
 
-def _outputs_html(outputs: list[dict[str, Any]]) -> str:
+def _outputs_html(outputs: list[dict[str, Any]], alt: str = "figure drawn by the widget") -> str:
     parts = []
     for out in outputs:
         if out.get("output_type") == "stream":
@@ -99,7 +136,7 @@ def _outputs_html(outputs: list[dict[str, Any]]) -> str:
         data = out.get("data", {})
         if "image/png" in data:
             png = "".join(data["image/png"]).replace("\n", "")
-            parts.append(f'<img alt="widget output" src="data:image/png;base64,{png}">')
+            parts.append(f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{png}">')
         elif "text/html" in data:
             parts.append("".join(data["text/html"]))
         elif "text/plain" in data:
@@ -147,6 +184,160 @@ class StaticWidgets(SphinxPostTransform):
             node.replace_self(nodes.raw("", drawn, format="html"))
 
 
+# --- names in the lessons link to the API reference ----------------------------------------
+
+_NAME = re.compile(r"^(?P<path>[A-Za-z_][\w.]*?)(?:\(.*\))?$", re.DOTALL)
+_EXERCISE_CALL = re.compile(r"^(ex\d\d)\.(\w+)(?:\.(?:check|hint|solution))?$")
+
+
+def public_targets() -> dict[str, str]:
+    """{how a lesson may write a name: its reference target}: ``al.X``, ``accumlab.X`` and
+    the bare ``X`` (for names with an underscore or a capital) of ``accumlab.__all__``,
+    ``accumlab.distributed.X`` of its ``__all__``, and ``exNN.name`` of every checker."""
+    import accumlab
+
+    targets: dict[str, str] = {}
+    for name in accumlab.__all__:
+        full = f"accumlab.{name}"
+        targets[full] = targets[f"al.{name}"] = full
+        if "_" in name or name[:1].isupper():
+            targets[name] = full
+    for sub in ("distributed",):
+        module = importlib.import_module(f"accumlab.{sub}")
+        for name in getattr(module, "__all__", []):
+            full = f"accumlab.{sub}.{name}"
+            targets[full] = targets[f"al.{sub}.{name}"] = full
+    exercises = importlib.import_module("accumlab.course.exercises")
+    for path in sorted(Path(exercises.__file__).parent.glob("ex[0-9][0-9].py")):
+        module = importlib.import_module(f"accumlab.course.exercises.{path.stem}")
+        for name, value in vars(module).items():
+            if isinstance(value, exercises.Exercise):
+                targets[f"{path.stem}.{name}"] = f"accumlab.course.exercises.{path.stem}.{name}"
+    return targets
+
+
+def target_of(text: str, targets: dict[str, str]) -> str | None:
+    """The reference target a code span names (``al.train_window(...)``,
+    ``ex01.adamw_ratio.check``, ``MemoryMeter.plot``), or None."""
+    match = _NAME.match(text.strip())
+    if not match:
+        return None
+    path = match.group("path")
+    exercise = _EXERCISE_CALL.match(path)
+    if exercise:
+        path = f"{exercise.group(1)}.{exercise.group(2)}"
+    if path in targets:
+        return targets[path]
+    head, _, attribute = path.rpartition(".")  # a method or field: its class's entry
+    if head in targets and attribute.isidentifier():
+        return targets[head]
+    return None
+
+
+class LinkPublicNames(SphinxTransform):
+    """A code span in a lesson or a doc page that names a public name links to its entry."""
+
+    default_priority = 500
+
+    def apply(self, **kwargs: Any) -> None:
+        if not self.env.docname.startswith(("lessons/", "docs/", "exercises", "index")):
+            return
+        targets = self.env.app.accumlab_targets  # type: ignore[attr-defined]
+        for node in list(self.document.findall(nodes.literal)):
+            if isinstance(node.parent, (nodes.reference, nodes.title, addnodes.pending_xref)):
+                continue
+            target = target_of(node.astext(), targets)
+            if target is None:
+                continue
+            ref = addnodes.pending_xref(
+                "", refdomain="py", reftype="obj", reftarget=target, refexplicit=True,
+                refwarn=False, refdoc=self.env.docname,
+            )  # fmt: skip
+            node.replace_self(ref)
+            ref += node
+
+
+# --- ⏳ ✅ ❌ without an emoji font, figures full size ----------------------------------------
+
+EMOJI = {"⏳": ("waiting", "not attempted yet"), "✅": ("ok", "correct"), "❌": ("wrong", "wrong")}
+_TAG_OR_TEXT = re.compile(r"(<[^>]*>)")
+_OUTPUT_IMG = re.compile(r'(<img\b[^>]*\bsrc="(?P<src>[^"]*_images/[^"]+)"[^>]*>)')
+
+
+def mark_emoji(body: str) -> str:
+    """Each ⏳ ✅ ❌ in the text of ``body`` (never inside a tag) wrapped in a span that CSS
+    draws from an SVG; the character stays inside for copying and searching."""
+    parts = _TAG_OR_TEXT.split(body)
+    for i in range(0, len(parts), 2):  # even parts are text, odd parts are tags
+        text = parts[i]
+        for char, (kind, label) in EMOJI.items():
+            if char in text:
+                text = text.replace(
+                    char, f'<span class="al-emoji al-emoji-{kind}" role="img" aria-label="{label}">{char}</span>'
+                )
+        parts[i] = text
+    return "".join(parts)
+
+
+def link_figures(body: str) -> str:
+    """Every saved figure (an image in ``_images/``, where myst-nb puts the outputs') opens
+    full size when tapped: wrapped in a link to the image file."""
+    return _OUTPUT_IMG.sub(
+        lambda m: f'<a class="al-figure" href="{m.group("src")}" title="open the figure full size">{m.group(1)}</a>',
+        body,
+    )
+
+
+def _page_context(app: Sphinx, pagename: str, templatename: str, context: dict, doctree: Any) -> None:
+    if "body" in context:
+        context["body"] = link_figures(mark_emoji(context["body"]))
+
+
+# --- MathJax from the jupyter-server-mathjax package ----------------------------------------
+
+# What the site needs of MathJax 2: the loader, the combined TeX-to-HTML-CSS configuration,
+# its extensions (without the 4 MB accessibility maps) and the STIX web fonts.
+_MATHJAX_PARTS = ("MathJax.js", "LICENSE", "config", "extensions", "jax/input", "jax/element",
+                  "jax/output/HTML-CSS", "fonts/HTML-CSS/STIX-Web/woff", "localization/en")
+
+
+def mathjax_static(build: Path) -> Path:
+    """A folder holding ``mathjax/`` (for ``html_static_path``), copied from the
+    ``jupyter-server-mathjax`` package once; raises a clear error when it is missing."""
+    spec = importlib.util.find_spec("jupyter_server_mathjax")  # its files only: no import
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the site needs MathJax from the jupyter-server-mathjax package: "
+            "pip install -e '.[site]' (make site installs it)"
+        )
+    source = Path(next(iter(spec.submodule_search_locations))) / "static"
+    folder = build / "site-mathjax"
+    dest = folder / "mathjax"
+    stamp = dest / ".copied-from"
+    if stamp.is_file() and stamp.read_text(encoding="utf-8") == str(source):
+        return folder
+    if dest.exists():
+        shutil.rmtree(dest)
+    for part in _MATHJAX_PARTS:
+        src = source / part
+        if src.is_dir():
+            shutil.copytree(src, dest / part, ignore=shutil.ignore_patterns("a11y"))
+        elif src.is_file():
+            (dest / part).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / part)
+        else:
+            raise RuntimeError(f"{source}: MathJax's {part} is missing (jupyter-server-mathjax changed?)")
+    stamp.write_text(str(source), encoding="utf-8")
+    return folder
+
+
+def _builder_inited(app: Sphinx) -> None:
+    app.accumlab_targets = public_targets()  # type: ignore[attr-defined]
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
     app.add_post_transform(StaticWidgets)
+    app.add_transform(LinkPublicNames)
+    app.connect("builder-inited", _builder_inited)
+    app.connect("html-page-context", _page_context)
     return {"parallel_read_safe": True, "parallel_write_safe": True, "version": "1"}
