@@ -1,0 +1,129 @@
+"""The fix for each cause, as Python a user pastes.
+
+Every fix runs as it stands in a script where ``model``, ``trainer``, ``args``,
+``train_dataset`` and ``data_collator`` are defined (the Trainer's usual names). A fix
+that changes what the Trainer reads only when it is built starts with a comment saying
+so, and :func:`fix_for` then returns ``needs_new_trainer=True``: run it, build the
+Trainer again, and the same audit comes out ok.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+REBUILD = "# Run this before the Trainer is built: the Trainer reads it when it is created.\n"
+
+_TOKEN_MEAN = '''import torch.nn.functional as F
+
+def token_mean_loss(outputs, labels, num_items_in_batch=None):
+    """Summed cross-entropy over the shifted targets, divided once by the window's count."""
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+    targets = labels[:, 1:].to(logits.device)
+    loss_sum = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"
+    )
+    return loss_sum / num_items_in_batch
+
+trainer.compute_loss_func = token_mean_loss
+'''
+
+_EXAMPLE_MEAN = '''import torch.nn.functional as F
+
+def example_mean_loss(outputs, labels, num_items_in_batch=None):
+    """Summed cross-entropy over the examples, divided once by the window's count."""
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+    loss_sum = F.cross_entropy(logits.float(), labels.to(logits.device), reduction="sum")
+    return loss_sum / num_items_in_batch
+
+trainer.compute_loss_func = example_mean_loss
+'''
+
+_MASK_FIRST_LABEL = '''# Position 0 of a causal LM's labels is never a target: mask it, so the Trainer's
+# num_items_in_batch (counted over the labels) is the number of targets the loss scores.
+_collate = trainer.data_collator
+
+def collate_masking_first_label(features):
+    batch = _collate(features)
+    batch["labels"] = batch["labels"].clone()
+    batch["labels"][:, 0] = -100
+    return batch
+
+trainer.data_collator = collate_masking_first_label
+'''
+
+_LOSS_TYPE = '''model.loss_type = "ForCausalLM"  # tells the Trainer the loss shifts the labels
+'''
+
+_GLOBAL_COUNT = '''args.average_tokens_across_devices = True  # one count over all ranks' targets
+'''
+
+_DROP_OVERRIDE = '''import types
+from transformers import Trainer
+
+trainer.compute_loss = types.MethodType(Trainer.compute_loss, trainer)  # drop the override
+'''
+
+
+def _counts_shifted(trainer: Any) -> bool:
+    """True when this Trainer counts ``num_items_in_batch`` over ``labels[:, 1:]``."""
+    return bool(getattr(trainer, "_loss_shifts_labels", False))
+
+
+def _compute_loss_overridden(trainer: Any) -> bool:
+    from transformers import Trainer
+
+    own = vars(trainer).get("compute_loss")
+    return own is not None or type(trainer).compute_loss is not Trainer.compute_loss
+
+
+def _objective_loss(causal: bool, trainer: Any) -> str:
+    """The correct ``compute_loss_func``, with the count fix a causal LM needs here."""
+    parts = []
+    if _compute_loss_overridden(trainer):
+        parts.append(_DROP_OVERRIDE)
+    if getattr(trainer, "loss_is_scaled_for_ga", None) is not None:
+        parts.append("trainer.loss_is_scaled_for_ga = None  # compute_loss_func divides by the window's count\n")
+    parts.append(_TOKEN_MEAN if causal else _EXAMPLE_MEAN)
+    if causal and not _counts_shifted(trainer):
+        parts.append(_MASK_FIRST_LABEL)
+    return "\n".join(parts)
+
+
+def fix_for(mistakes: list[str], trainer: Any, model: nn.Module, causal: bool) -> tuple[str, bool]:
+    """``(code, needs_new_trainer)`` for the named ``mistakes`` of this Trainer's job."""
+    if not mistakes:
+        return "", False
+    names = set(mistakes)
+    loss_fix = {
+        "num_items_ignored",
+        "average_of_averages",
+        "double_division",
+        "no_division",
+        "wrong_normalization",
+        "not_token_mean",
+        "scored_targets_missed",
+    }
+    parts: list[str] = []
+    needs_new = False
+    if names & loss_fix:
+        parts.append(_objective_loss(causal, trainer))
+    elif "ignored_tokens_counted" in names:
+        plain_model = hasattr(trainer, "_loss_shifts_labels") and trainer.compute_loss_func is None
+        if plain_model and hasattr(model, "loss_type"):
+            parts.append(REBUILD + _LOSS_TYPE)
+            needs_new = True
+        else:
+            parts.append(_MASK_FIRST_LABEL)
+    if "per_rank_mean" in names:
+        parts.append(_GLOBAL_COUNT)
+    if "ranks_disagree" in names:
+        parts.append(
+            "# The ranks' gradients differ after the sync: launch with torchrun so the Trainer\n"
+            "# wraps the model in DistributedDataParallel, and do not train a copy of the model.\n"
+        )
+    return "\n".join(parts), needs_new
+
+
+__all__ = ["REBUILD", "fix_for"]

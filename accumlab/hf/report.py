@@ -1,0 +1,82 @@
+"""``TrainerAuditReport``: what :func:`accumlab.hf.audit_trainer` measured and concluded."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .reference import WindowMeasure
+from .verdict import CAUSES
+
+#: Said in every report: what the audit does not look at.
+TRAINER_NOT_CHECKED = (
+    "clipping, the optimizer, the learning-rate schedule and loss scaling (the gradient is "
+    "taken after the sync, before clipping); windows after the audited ones (the weights are "
+    "held at their starting values while the audited windows run)"
+)
+
+
+@dataclass
+class TrainerAuditReport:
+    """The verdict on a Trainer's accumulation, with its measured evidence.
+
+    ``ok``: True only when every audited window's gradient matched its reference within
+    ``tolerance`` (relative). ``checked``: False when the audit could not measure (then
+    ``ok`` is False and ``reason`` says why). ``mistakes``: names from
+    :data:`accumlab.hf.TRAINER_MISTAKES`, in that order; ``evidence[name]``: the numbers
+    behind each. ``scale``: least-squares ``a`` in ``g ≈ a·g_ref`` (1 when right);
+    ``relative_error``: ``‖g − g_ref‖ / ‖g_ref‖`` over all trainable parameters (both from the
+    window with the largest error). ``fix``: Python to paste (empty when ok);
+    ``fix_needs_new_trainer``: the fix must run before the Trainer is built (its first line
+    says so). ``windows``: per-window measurements. ``objective``: the reference objective.
+    ``notes``: what this data cannot tell apart from a correct job, and how the run was
+    set up. ``not_checked``: what the audit does not look at.
+    """
+
+    ok: bool
+    checked: bool
+    mistakes: list[str] = field(default_factory=list)
+    scale: float = math.nan
+    relative_error: float = math.nan
+    fix: str = ""
+    fix_needs_new_trainer: bool = False
+    evidence: dict[str, str] = field(default_factory=dict)
+    windows: list[WindowMeasure] = field(default_factory=list)
+    objective: str = ""
+    tolerance: float = math.nan
+    reason: str = ""
+    notes: list[str] = field(default_factory=list)
+    not_checked: str = TRAINER_NOT_CHECKED
+
+    @classmethod
+    def unchecked(cls, reason: str, notes: list[str] | None = None) -> TrainerAuditReport:
+        """A report for a job the audit could not measure: never ok."""
+        return cls(ok=False, checked=False, reason=reason, notes=list(notes or []))
+
+    def __str__(self) -> str:
+        if not self.checked:
+            lines = [f"accumulation audit: not checked: {self.reason}"]
+            lines += [f"  note: {n}" for n in self.notes]
+            return "\n".join(lines)
+        verdict = "ok" if self.ok else "WRONG: " + ", ".join(self.mistakes)
+        lines = [f"accumulation audit: {verdict}"]
+        lines.append(f"  reference: {self.objective}")
+        for i, w in enumerate(self.windows):
+            lines.append(
+                f"  window {i}: gradient = {w.scale:.4f} x correct, relative error "
+                f"{w.relative_error:.1e} ({w.microbatches} microbatches x {w.ranks} ranks, "
+                f"{w.targets} targets, Trainer's count "
+                f"{'none' if w.trainer_count is None else f'{w.trainer_count:g}'})"
+            )
+        for name in self.mistakes:
+            lines.append(f"  cause {name}: {CAUSES[name]}")
+            lines.append(f"    measured: {self.evidence[name]}")
+        if self.fix:
+            lines.append("  fix (paste; then run the audit again):")
+            lines += ["    " + line if line else "" for line in self.fix.rstrip("\n").split("\n")]
+        lines += [f"  note: {n}" for n in self.notes]
+        lines.append(f"  not checked: {self.not_checked}")
+        return "\n".join(lines)
+
+
+__all__ = ["TRAINER_NOT_CHECKED", "TrainerAuditReport"]
