@@ -46,6 +46,13 @@ def _check_arguments(trainer: Any, steps: int) -> None:
         )
 
 
+def _checkpointing(model: Any) -> bool:
+    """Whether activation (gradient) checkpointing is on, under either attribute name."""
+    if hasattr(model, "is_activation_checkpointing"):  # transformers 5.x; the old name warns
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
 def _not_checked_reason(trainer: Any) -> str | None:
     """Why the audit cannot measure this job, or None when it can."""
     model = trainer.model
@@ -63,7 +70,7 @@ def _not_checked_reason(trainer: Any) -> str | None:
             "the training set is an iterable dataset: the examples the audit would read cannot be "
             "put back, so the run after it would miss them"
         )
-    if getattr(model, "is_gradient_checkpointing", False) or trainer.args.gradient_checkpointing:
+    if _checkpointing(model) or trainer.args.gradient_checkpointing:
         return (
             "gradient checkpointing is on: the Trainer enables it inside train(), so the path the "
             "audit can run before train() is not the one the run takes"

@@ -1,0 +1,395 @@
+"""accumlab.hf.audit_trainer on tiny GPT-2 Trainers (transformers as installed).
+
+The gradient a Trainer applies is measured independently of the audit: the same job is
+trained for one optimizer step with SGD at learning rate 1, no clipping, no weight decay,
+so the weights move by exactly minus that gradient; the reference is the plain token-mean
+cross-entropy of all 8 examples in one padded batch. The audit's ``scale`` must agree
+with that measurement to 1e-3, its verdict must name the cause, and its ``fix``, pasted,
+must make the same audit ok.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import hf_workers as hw
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+import accumlab.hf as ah  # noqa: E402
+from accumlab.hf.diagnose import MIXED_TOLERANCE  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+TARGETS, COUNTED = 47, 55
+
+
+def flat(tensors):
+    return torch.cat([t.detach().double().reshape(-1) for t in tensors])
+
+
+def applied_gradient(model, args_overrides=None, trainer_class=None, **trainer_kw):
+    """The gradient one real ``trainer.train()`` step applies (SGD, lr 1: w0 - w1)."""
+    settings = dict(optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
+                    weight_decay=0.0, max_grad_norm=0.0, max_steps=1)
+    settings.update(args_overrides or {})
+    trainer = hw.make_trainer(model, hw.make_args(**settings), trainer_class, **trainer_kw)
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = flat(params)
+    trainer.train()
+    return before - flat(params)
+
+
+def reference_gradient(model):
+    """Token mean over the shifted targets of all 8 examples, one padded batch."""
+    model = copy.deepcopy(model)
+    batch = hw.collate(hw.examples())
+    inner = getattr(model, "inner", model)
+    logits = inner(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    loss = hw.shifted_sum({"logits": logits}, batch["labels"]) / TARGETS
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params)
+    return flat(grads)
+
+
+def least_squares_scale(g, ref):
+    return float(g.dot(ref) / ref.dot(ref))
+
+
+def apply_fix(report, model, trainer, trainer_class=None, **trainer_kw):
+    """Run ``report.fix`` as a user would, in a script's namespace; rebuild the Trainer
+    when the fix says it must run before the Trainer is built."""
+    namespace = {"model": model, "trainer": trainer, "args": trainer.args,
+                 "train_dataset": trainer.train_dataset, "data_collator": trainer.data_collator}
+    exec(compile(report.fix, "<report.fix>", "exec"), namespace)
+    if report.fix_needs_new_trainer:
+        assert report.fix.startswith(ah.fixes.REBUILD)
+        return hw.make_trainer(model, trainer.args, trainer_class, **trainer_kw)
+    assert "before the Trainer is built" not in report.fix
+    return trainer
+
+
+ROWS = [  # model as passed, the named causes
+    ("plain", ["ignored_tokens_counted"]),
+    ("loss_type", []),
+    ("kwargs", ["num_items_ignored"]),
+    ("nokw", ["average_of_averages"]),
+]
+
+
+@pytest.mark.parametrize(("kind", "causes"), ROWS)
+def test_the_issue_table_scale_verdict_and_fix(kind, causes):
+    g = applied_gradient(hw.model_for(kind))
+    ref = reference_gradient(hw.model_for(kind))
+    expected_scale = least_squares_scale(g, ref)
+    expected_error = float((g - ref).norm() / ref.norm())
+
+    model = hw.model_for(kind)
+    trainer = hw.make_trainer(model)
+    report = ah.audit_trainer(trainer)
+    assert report.checked
+    assert report.scale == pytest.approx(expected_scale, abs=1e-3)
+    assert report.relative_error == pytest.approx(expected_error, rel=1e-2, abs=1e-5)
+    assert report.mistakes == causes
+    assert report.ok is (not causes)
+    text = str(report)
+    assert f"{report.scale:.4f}" in text
+    if not causes:
+        assert report.fix == "" and report.relative_error < 1e-5
+        return
+    if kind == "plain":  # the count taken before the shift: exactly 47/55
+        assert report.scale == pytest.approx(TARGETS / COUNTED, abs=1e-6)
+        assert report.windows[0].trainer_count == COUNTED
+    if kind == "kwargs":  # about A times too large
+        assert 3 < report.scale < 6
+    for name in causes:
+        assert name in text and report.evidence[name]
+    assert "fix" in text and report.fix.splitlines()[0] in text
+    fixed = apply_fix(report, model, trainer)
+    after = ah.audit_trainer(fixed)
+    assert after.ok, str(after)
+    assert after.relative_error < 1e-5
+
+
+def test_loss_type_fix_needs_a_new_trainer_and_says_so():
+    model = hw.model_for("plain")
+    trainer = hw.make_trainer(model)
+    report = ah.audit_trainer(trainer)
+    assert report.fix_needs_new_trainer
+    exec(report.fix, {"model": model})
+    # the same Trainer read the loss type when it was built: still wrong
+    assert not ah.audit_trainer(trainer).ok
+    assert ah.audit_trainer(hw.make_trainer(model)).ok
+
+
+@pytest.mark.parametrize(("kind", "func", "causes"), [
+    ("plain", hw.correct_loss_func, ["ignored_tokens_counted"]),  # count before the shift
+    ("plain", hw.twice_loss_func, ["ignored_tokens_counted", "double_division"]),
+    ("loss_type", hw.twice_loss_func, ["double_division"]),
+    ("loss_type", hw.never_loss_func, ["no_division"]),
+])
+def test_compute_loss_func(kind, func, causes):
+    g = applied_gradient(hw.model_for(kind), compute_loss_func=func)
+    ref = reference_gradient(hw.model_for(kind))
+    model = hw.model_for(kind)
+    trainer = hw.make_trainer(model, compute_loss_func=func)
+    report = ah.audit_trainer(trainer)
+    assert report.mistakes == causes and not report.ok
+    assert report.scale == pytest.approx(least_squares_scale(g, ref), abs=1e-3)
+    if func is hw.correct_loss_func or kind == "plain":
+        assert not report.fix_needs_new_trainer  # masks the first label in the collator
+    if func is hw.correct_loss_func:
+        assert report.scale == pytest.approx(TARGETS / COUNTED, abs=1e-6)
+    after = ah.audit_trainer(apply_fix(report, model, trainer, compute_loss_func=func))
+    assert after.ok, str(after)
+
+
+class SumTrainer(transformers.Trainer):
+    """A compute_loss override that never divides: the summed shifted cross-entropy."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        loss = hw.shifted_sum(outputs, labels)
+        return (loss, outputs) if return_outputs else loss
+
+
+class MeanOverCountTrainer(transformers.Trainer):
+    """Divides twice: the model's own mean, divided again by num_items_in_batch."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        loss = outputs.loss / num_items_in_batch
+        return (loss, outputs) if return_outputs else loss
+
+
+@pytest.mark.parametrize(("trainer_class", "causes"), [
+    (SumTrainer, ["no_division"]),
+    (MeanOverCountTrainer, ["double_division"]),
+])
+def test_compute_loss_override(trainer_class, causes):
+    g = applied_gradient(hw.model_for("loss_type"), trainer_class=trainer_class)
+    ref = reference_gradient(hw.model_for("loss_type"))
+    model = hw.model_for("loss_type")
+    trainer = hw.make_trainer(model, trainer_class=trainer_class)
+    report = ah.audit_trainer(trainer)
+    assert report.mistakes == causes and not report.ok, str(report)
+    assert report.scale == pytest.approx(least_squares_scale(g, ref), abs=1e-3)
+    after = ah.audit_trainer(apply_fix(report, model, trainer, trainer_class=trainer_class))
+    assert after.ok, str(after)
+
+
+def test_label_smoothing_is_measured_and_never_ok():
+    g = applied_gradient(hw.model_for("loss_type"), {"label_smoothing_factor": 0.1})
+    ref = reference_gradient(hw.model_for("loss_type"))
+    model = hw.model_for("loss_type")
+    trainer = hw.make_trainer(model, hw.make_args(label_smoothing_factor=0.1))
+    report = ah.audit_trainer(trainer)
+    assert not report.ok and report.checked
+    assert report.mistakes == ["not_token_mean"]
+    assert report.scale == pytest.approx(least_squares_scale(g, ref), abs=1e-3)
+    assert "not_token_mean" in str(report)
+    assert ah.audit_trainer(apply_fix(report, model, trainer)).ok
+
+
+def test_dropout_is_replayed_so_a_correct_job_is_ok_with_dropout_on():
+    model = hw.model_for("loss_type", dropout=0.1)
+    report = ah.audit_trainer(hw.make_trainer(model))
+    assert report.ok, str(report)
+    assert report.relative_error < 1e-5
+    # and a wrong job with dropout on is still named
+    report = ah.audit_trainer(hw.make_trainer(hw.model_for("plain", dropout=0.1)))
+    assert report.mistakes == ["ignored_tokens_counted"]
+    assert report.scale == pytest.approx(TARGETS / COUNTED, abs=1e-5)
+
+
+def test_several_windows_are_each_measured():
+    trainer = hw.make_trainer(
+        hw.model_for("nokw"), hw.make_args(gradient_accumulation_steps=2)
+    )
+    report = ah.audit_trainer(trainer, steps=3)
+    assert len(report.windows) == 2  # 8 examples, 2 per microbatch, 2 per window
+    assert "average_of_averages" in report.mistakes
+    assert any("2 windows" in n for n in report.notes)
+    assert report.relative_error == max(w.relative_error for w in report.windows)
+
+
+def test_sequence_classification_reference_is_the_example_mean():
+    model = hw.gpt2_classifier()
+    trainer = hw.make_trainer(model, data_collator=hw.collate_classes)
+    report = ah.audit_trainer(trainer)
+    assert report.checked and "example mean" in report.objective
+    # microbatches all hold 2 examples: the model's mean per microbatch / A is the example
+    # mean, and the audit says so rather than ok-ing blindly on structure it cannot see
+    if report.ok:
+        assert any("same target count" in n for n in report.notes)
+    else:
+        assert report.mistakes, str(report)
+        fixed = apply_fix(report, model, trainer, data_collator=hw.collate_classes)
+        assert ah.audit_trainer(fixed).ok
+
+
+# -- the trainer is left exactly as it was ----------------------------------------------
+
+
+def _rng_states():
+    return (random.getstate(), np.random.get_state(), torch.get_rng_state())
+
+
+def _same_rng(a, b):
+    return a[0] == b[0] and all(
+        (np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y) for x, y in zip(a[1], b[1], strict=True)
+    ) and torch.equal(a[2], b[2])
+
+
+def test_trainer_model_optimizer_scheduler_rng_and_data_unchanged_bit_for_bit():
+    def build():
+        model = hw.model_for("kwargs", dropout=0.1)
+        args = hw.make_args(max_steps=3, learning_rate=1e-2, gradient_accumulation_steps=2)
+        trainer = hw.make_trainer(model, args)
+        trainer.create_optimizer_and_scheduler(num_training_steps=3)
+        return model, trainer
+
+    model_a, audited = build()
+    rng_before = _rng_states()
+    state_before = copy.deepcopy(vars(audited.state))
+    opt_before = copy.deepcopy(audited.optimizer.state_dict())
+    sched_before = copy.deepcopy(audited.lr_scheduler.state_dict())
+    weights_before = {k: v.clone() for k, v in model_a.state_dict().items()}
+    grads_before = [p.grad for p in model_a.parameters()]
+    attrs_before = dict(vars(audited))
+    report = ah.audit_trainer(audited, steps=2)
+    assert report.checked and not report.ok
+    assert _same_rng(rng_before, _rng_states())
+    assert vars(audited.state) == state_before
+    assert audited.optimizer.state_dict() == opt_before
+    assert audited.lr_scheduler.state_dict() == sched_before
+    assert all(torch.equal(v, weights_before[k]) for k, v in model_a.state_dict().items())
+    assert all(p.grad is g for p, g in zip(model_a.parameters(), grads_before, strict=True))
+    assert dict(vars(audited)) == attrs_before
+    assert "forward" not in vars(model_a)
+    # the run after the audit is the run without it, bit for bit
+    audited.train()
+    model_b, plain = build()  # the same seeds: it starts from the RNG states the audit left
+    assert _same_rng(rng_before, _rng_states())
+    plain.train()
+    for (name, a), (_, b) in zip(model_a.state_dict().items(), model_b.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert audited.state.global_step == plain.state.global_step == 3
+
+
+def test_audit_after_train_reuses_the_wrapped_model_and_restores_it():
+    model = hw.model_for("loss_type")
+    trainer = hw.make_trainer(model, hw.make_args(max_steps=1))
+    trainer.train()
+    wrapped = trainer.model_wrapped
+    report = ah.audit_trainer(trainer)
+    assert report.ok and trainer.model_wrapped is wrapped
+
+
+def test_bf16_autocast_job_is_measured_with_the_mixed_tolerance():
+    model = hw.model_for("plain")
+    report = ah.audit_trainer(hw.make_trainer(model, hw.make_args(bf16=True)))
+    assert report.checked and report.tolerance == MIXED_TOLERANCE
+    assert report.mistakes == ["ignored_tokens_counted"]
+    assert report.scale == pytest.approx(TARGETS / COUNTED, abs=2e-2)
+    assert "forward" not in vars(model)  # Accelerate's autocast patch is undone
+
+
+# -- bad input -------------------------------------------------------------------------
+
+
+def test_bad_arguments_raise_one_clear_error():
+    trainer = hw.make_trainer(hw.model_for("loss_type"))
+    with pytest.raises(TypeError, match="transformers.Trainer"):
+        ah.audit_trainer(object())
+    for steps in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="steps must be a positive int"):
+            ah.audit_trainer(trainer, steps=steps)
+    with pytest.raises(ValueError, match="no train_dataset"):
+        ah.audit_trainer(hw.make_trainer(hw.model_for("loss_type"), train_dataset=None))
+    with pytest.raises(ValueError, match="max_steps is 0"):
+        ah.audit_trainer(hw.make_trainer(hw.model_for("loss_type"), hw.make_args(max_steps=0)))
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(hw.examples())
+
+
+def _frozen():
+    model = hw.model_for("loss_type")
+    model.requires_grad_(False)
+    return hw.make_trainer(model)
+
+
+def _checkpointing():
+    model = hw.model_for("loss_type")
+    model.gradient_checkpointing_enable()
+    return hw.make_trainer(model)
+
+
+def _meta():
+    with torch.device("meta"):
+        model = hw.model_for("loss_type")
+    trainer = hw.make_trainer(hw.model_for("loss_type"))
+    trainer.model = model
+    return trainer
+
+
+def _deepspeed():
+    trainer = hw.make_trainer(hw.model_for("loss_type"))
+    trainer.is_deepspeed_enabled = True
+    return trainer
+
+
+def _fsdp():
+    trainer = hw.make_trainer(hw.model_for("loss_type"))
+    trainer.is_fsdp_enabled = True
+    return trainer
+
+
+@pytest.mark.parametrize(("build", "why"), [
+    (lambda: hw.make_trainer(hw.model_for("loss_type"), hw.make_args(max_steps=2), train_dataset=Stream()),
+     "iterable dataset"),
+    (_frozen, "no trainable parameter"),
+    (_checkpointing, "gradient checkpointing"),
+    (_meta, "meta device"),
+    (_deepspeed, "DeepSpeed"),
+    (_fsdp, "FSDP"),
+])
+def test_jobs_the_audit_cannot_measure_are_not_checked_never_ok(build, why):
+    report = ah.audit_trainer(build())
+    assert not report.ok and not report.checked
+    assert why in report.reason
+    assert str(report).startswith("accumulation audit: not checked: ")
+
+
+def test_a_model_without_logits_is_not_checked():
+    class LossOnly(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = hw.gpt2()
+
+        def forward(self, input_ids, attention_mask=None, labels=None):
+            return {"loss": self.inner(input_ids=input_ids, labels=labels).loss}
+
+    report = ah.audit_trainer(hw.make_trainer(LossOnly()))
+    assert not report.ok and not report.checked
+
+
+def test_unknown_objective_is_not_checked():
+    def token_classes(features):
+        batch = hw.collate(features)
+        batch["labels"] = batch["labels"].clamp(max=2)
+        return batch
+
+    from transformers import GPT2Config, GPT2ForTokenClassification
+
+    model = GPT2ForTokenClassification(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64,
+                                                  n_positions=16, num_labels=3))
+    report = ah.audit_trainer(hw.make_trainer(model, data_collator=token_classes))
+    assert not report.checked and "objective" in report.reason
