@@ -156,7 +156,7 @@ site: $(VENV)/.installed-site
 
 # Ratios measured side by side in one run; see benchmarks/README.md.
 bench: $(VENV)/.installed-dev
-	for b in loop_overhead precision_cost memory_peak ddp_no_sync loss_memory fsdp2_sync chunked_loss; do \
+	for b in loop_overhead precision_cost memory_peak ddp_no_sync loss_memory fsdp2_sync chunked_loss hf_audit_cost; do \
 	  $(TEST_ENV) $(BIN)/python benchmarks/$$b.py || exit 1; done
 
 # accumlab beside Hugging Face Accelerate: installs the optional `peers` extra first.
