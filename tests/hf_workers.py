@@ -11,7 +11,6 @@ taken before the shift finds 55: a Trainer dividing by 55 scales the gradient by
 
 from __future__ import annotations
 
-import os
 import tempfile
 from typing import Any
 
@@ -152,44 +151,113 @@ def make_trainer(model: nn.Module, args: Any = None, trainer_class: Any = None, 
     return (trainer_class or Trainer)(model=model, args=args or make_args(), **kw)
 
 
+# -- independent measurements: what a real step applies, what the reference is -----------
+
+
+def flat(tensors: Any) -> Tensor:
+    return torch.cat([t.detach().double().reshape(-1) for t in tensors])
+
+
+def applied_gradient(model: nn.Module, args_overrides: dict[str, Any] | None = None,
+                     trainer_class: Any = None, **trainer_kw: Any) -> Tensor:
+    """The gradient one real ``trainer.train()`` update applies, read off the weights:
+    SGD at learning rate 1, constant schedule, no clipping, no weight decay, so
+    ``w0 - w1`` is that gradient."""
+    settings: dict[str, Any] = dict(optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
+                                    weight_decay=0.0, max_grad_norm=0.0, max_steps=1)
+    settings.update(args_overrides or {})
+    trainer = make_trainer(model, make_args(**settings), trainer_class, **trainer_kw)
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = flat(params)
+    trainer.train()
+    return before - flat(params)
+
+
+def reference_gradient(model: nn.Module, batches: list[dict[str, Tensor]]) -> Tensor:
+    """Token mean over the shifted targets of all ``batches``' examples, written directly
+    (each batch's summed cross-entropy, one division by the total target count)."""
+    inner = getattr(model, "inner", model)
+    total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+    loss = sum(
+        shifted_sum(inner(input_ids=b["input_ids"], attention_mask=b["attention_mask"]), b["labels"])
+        for b in batches
+    ) / total
+    params = [p for p in model.parameters() if p.requires_grad]
+    return flat(torch.autograd.grad(loss, params))
+
+
+def least_squares_scale(g: Tensor, ref: Tensor) -> float:
+    return float(g.dot(ref) / ref.dot(ref))
+
+
+def apply_fix(report: Any, model: nn.Module, trainer: Any, trainer_class: Any = None,
+              **trainer_kw: Any) -> Any:
+    """Run ``report.fix`` as a user would, in a script's namespace; build the Trainer again
+    when the fix says it must run before the Trainer is built. Returns the Trainer to audit."""
+    namespace = {"model": model, "trainer": trainer, "args": trainer.args,
+                 "train_dataset": trainer.train_dataset, "data_collator": trainer.data_collator}
+    exec(compile(report.fix, "<report.fix>", "exec"), namespace)
+    if report.fix_needs_new_trainer:
+        assert report.fix.startswith("# Run this before the Trainer is built")
+        trainer_kw.setdefault("train_dataset", trainer.train_dataset)
+        return make_trainer(model, trainer.args, trainer_class, **trainer_kw)
+    assert "before the Trainer is built" not in report.fix
+    return trainer
+
+
 # -- 2-rank workers (run under accumlab.distributed.launch) ----------------------------
 
+SIXTEEN = LENGTHS + (12, 2, 8, 5, 9, 3, 11, 4)  # 16 examples: 2 ranks x 2 microbatches x 2, twice
 
-def _rank_lengths(rank: int) -> tuple[int, ...]:
-    """Uneven data across ranks: rank 0's examples are short, rank 1's long."""
-    return LENGTHS[:4] if rank == 0 else LENGTHS[4:] + (12, 2, 8, 5)
+#: (model kind, average_tokens_across_devices, expected causes)
+DDP_CASES = (
+    ("loss_type", True, []),
+    ("loss_type", False, ["per_rank_mean"]),
+    ("plain", True, ["ignored_tokens_counted"]),
+    ("kwargs", False, ["num_items_ignored"]),
+)
 
 
-def ddp_audit(kind: str, average_tokens: bool, fix: bool = False) -> dict[str, Any]:
-    """Audit a 2-rank job under ``torch.distributed`` (each rank has its own examples:
-    ``DistributedSampler`` shards the 16 examples); return the verdict and numbers."""
+def _window_batches(trainer: Any) -> list[dict[str, Tensor]]:
+    """The first window's microbatches on this rank, read from the Trainer's own loader
+    with the RNG put back, so the run that follows reads the same ones."""
+    state = torch.get_rng_state()
+    iterator = iter(trainer.get_train_dataloader())
+    batches = [next(iterator) for _ in range(trainer.args.gradient_accumulation_steps)]
+    torch.set_rng_state(state)
+    return [{k: v.clone() for k, v in b.items()} for b in batches]
+
+
+def ddp_cases() -> list[dict[str, Any]]:
+    """Every case of :data:`DDP_CASES` on this rank: the audit's verdict and scale, an
+    independent scale (one real DDP update at SGD lr 1 against the token mean over the
+    union of both ranks' examples, gathered), and the verdict after the fix."""
+    import torch.distributed as dist
     import transformers
 
     import accumlab.hf as ah
 
     transformers.logging.set_verbosity_error()
-    rank = int(os.environ["RANK"])
-    model = model_for(kind)
-    args = make_args(average_tokens_across_devices=average_tokens, gradient_accumulation_steps=2)
-    trainer = make_trainer(model, args, train_dataset=examples(LENGTHS + (12, 2, 8, 5, 9, 3, 11, 4)))
-    report = ah.audit_trainer(trainer)
-    if fix and report.fix:
-        namespace = {"model": model, "trainer": trainer, "args": args,
-                     "train_dataset": trainer.train_dataset, "data_collator": collate}
-        exec(report.fix, namespace)
-        if report.fix_needs_new_trainer:
-            trainer = make_trainer(model, args, train_dataset=trainer.train_dataset,
-                                   data_collator=trainer.data_collator)
+    out = []
+    for kind, average, _ in DDP_CASES:
+        args = dict(average_tokens_across_devices=average, gradient_accumulation_steps=2)
+        model = model_for(kind)
+        trainer = make_trainer(model, make_args(**args), train_dataset=examples(SIXTEEN))
         report = ah.audit_trainer(trainer)
-    w = report.windows[0] if report.windows else None
-    return {
-        "rank": rank,
-        "ok": report.ok,
-        "mistakes": report.mistakes,
-        "scale": report.scale,
-        "relative_error": report.relative_error,
-        "targets": None if w is None else w.targets,
-        "rank_targets": None if w is None else w.rank_targets,
-        "ranks": None if w is None else w.ranks,
-        "text": str(report),
-    }
+        fixed = ah.audit_trainer(apply_fix(report, model, trainer)) if report.fix else report
+        mine = _window_batches(make_trainer(model_for(kind), make_args(**args),
+                                            train_dataset=examples(SIXTEEN)))
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        union = [b for rank in gathered for b in rank]
+        ref = reference_gradient(model_for(kind), union)
+        g = applied_gradient(model_for(kind), args, train_dataset=examples(SIXTEEN))
+        w = report.windows[0]
+        out.append({
+            "kind": kind, "average": average, "ok": report.ok, "mistakes": report.mistakes,
+            "scale": report.scale, "independent_scale": least_squares_scale(g, ref),
+            "targets": w.targets, "rank_targets": w.rank_targets, "ranks": w.ranks,
+            "union_targets": sum(int((b["labels"][:, 1:] != -100).sum()) for b in union),
+            "fixed_ok": fixed.ok, "text": str(report),
+        })
+    return out

@@ -27,49 +27,14 @@ transformers.logging.set_verbosity_error()
 TARGETS, COUNTED = 47, 55
 
 
-def flat(tensors):
-    return torch.cat([t.detach().double().reshape(-1) for t in tensors])
-
-
-def applied_gradient(model, args_overrides=None, trainer_class=None, **trainer_kw):
-    """The gradient one real ``trainer.train()`` step applies (SGD, lr 1: w0 - w1)."""
-    settings = dict(optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
-                    weight_decay=0.0, max_grad_norm=0.0, max_steps=1)
-    settings.update(args_overrides or {})
-    trainer = hw.make_trainer(model, hw.make_args(**settings), trainer_class, **trainer_kw)
-    params = [p for p in model.parameters() if p.requires_grad]
-    before = flat(params)
-    trainer.train()
-    return before - flat(params)
-
-
 def reference_gradient(model):
     """Token mean over the shifted targets of all 8 examples, one padded batch."""
-    model = copy.deepcopy(model)
-    batch = hw.collate(hw.examples())
-    inner = getattr(model, "inner", model)
-    logits = inner(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    loss = hw.shifted_sum({"logits": logits}, batch["labels"]) / TARGETS
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = torch.autograd.grad(loss, params)
-    return flat(grads)
+    return hw.reference_gradient(copy.deepcopy(model), [hw.collate(hw.examples())])
 
 
-def least_squares_scale(g, ref):
-    return float(g.dot(ref) / ref.dot(ref))
-
-
-def apply_fix(report, model, trainer, trainer_class=None, **trainer_kw):
-    """Run ``report.fix`` as a user would, in a script's namespace; rebuild the Trainer
-    when the fix says it must run before the Trainer is built."""
-    namespace = {"model": model, "trainer": trainer, "args": trainer.args,
-                 "train_dataset": trainer.train_dataset, "data_collator": trainer.data_collator}
-    exec(compile(report.fix, "<report.fix>", "exec"), namespace)
-    if report.fix_needs_new_trainer:
-        assert report.fix.startswith(ah.fixes.REBUILD)
-        return hw.make_trainer(model, trainer.args, trainer_class, **trainer_kw)
-    assert "before the Trainer is built" not in report.fix
-    return trainer
+applied_gradient = hw.applied_gradient
+least_squares_scale = hw.least_squares_scale
+apply_fix = hw.apply_fix
 
 
 ROWS = [  # model as passed, the named causes
@@ -328,7 +293,9 @@ def _frozen():
 
 def _checkpointing():
     model = hw.model_for("loss_type")
-    model.gradient_checkpointing_enable()
+    # transformers 5 renamed it (the old name warns); 4.x has the old name only
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
     return hw.make_trainer(model)
 
 

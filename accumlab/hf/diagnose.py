@@ -90,7 +90,7 @@ def diagnose(
     worst = max(measures, key=lambda m: -1.0 if math.isnan(m.relative_error) else m.relative_error)
     ok = not mistakes and all(m.relative_error <= ok_tol for m in measures)
     causal = isinstance(objective, NextTokenLoss)
-    fix, needs_new = fix_for(mistakes, trainer, model, causal)
+    fix, needs_new = fix_for(mistakes, trainer, model, causal, measures[0].ranks)
     notes = []
     if ok:
         for note in blind_spots(measures[0], ok_tol):

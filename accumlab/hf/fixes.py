@@ -91,8 +91,11 @@ def _objective_loss(causal: bool, trainer: Any) -> str:
     return "\n".join(parts)
 
 
-def fix_for(mistakes: list[str], trainer: Any, model: nn.Module, causal: bool) -> tuple[str, bool]:
-    """``(code, needs_new_trainer)`` for the named ``mistakes`` of this Trainer's job."""
+def fix_for(
+    mistakes: list[str], trainer: Any, model: nn.Module, causal: bool, ranks: int = 1
+) -> tuple[str, bool]:
+    """``(code, needs_new_trainer)`` for the named ``mistakes`` of this Trainer's job,
+    run on ``ranks`` data-parallel ranks."""
     if not mistakes:
         return "", False
     names = set(mistakes)
@@ -116,7 +119,8 @@ def fix_for(mistakes: list[str], trainer: Any, model: nn.Module, causal: bool) -
             needs_new = True
         else:
             parts.append(_MASK_FIRST_LABEL)
-    if "per_rank_mean" in names:
+    per_rank_count = ranks > 1 and not getattr(trainer.args, "average_tokens_across_devices", False)
+    if "per_rank_mean" in names or (names & loss_fix and per_rank_count):
         parts.append(_GLOBAL_COUNT)
     if "ranks_disagree" in names:
         parts.append(

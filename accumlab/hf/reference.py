@@ -119,8 +119,8 @@ class WindowMeasure:
     count ``N`` under the objective, all ranks; ``counted``: labels not -100 before the
     shift (``N'``); ``rank_targets``/``rank_counted``: per rank; ``microbatch_targets``: per
     microbatch, rank by rank; ``microbatches``: on this rank; ``ranks``: D;
-    ``trainer_count``: the ``num_items_in_batch`` the Trainer passed (None when it passed
-    none); ``rank_spread``: the largest ``‖g_r − g‖ / ‖g‖`` over ranks (0 when the sync
+    ``trainer_count``: the ``num_items_in_batch`` the Trainer passed on rank 0 (None when it
+    passed none), ``rank_trainer_counts``: the same rank by rank; ``rank_spread``: the largest ``‖g_r − g‖ / ‖g‖`` over ranks (0 when the sync
     left every rank the same gradient).
     """
 
@@ -135,6 +135,7 @@ class WindowMeasure:
     ranks: int
     trainer_count: float | None
     rank_spread: float
+    rank_trainer_counts: list[float | None] = field(default_factory=list)
     fits: dict[str, PatternFit] = field(default_factory=dict)
 
 
@@ -144,13 +145,17 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _all_gather_ints(values: list[int]) -> list[list[int]]:
-    rank, world = _world()
+def _all_gather_objects(value: Any) -> list[Any]:
+    """``value`` of every rank, in rank order (``[value]`` without a process group)."""
+    world = _world()[1]
     if world == 1:
-        return [values]
+        return [value]
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, values)
+    dist.all_gather_object(gathered, value)
     return gathered
+
+
+_all_gather_ints = _all_gather_objects
 
 
 def _sum_across_ranks(t: Tensor) -> Tensor:
@@ -233,9 +238,10 @@ def measure_window(
         c = float(g.dot(v)) / vv
         fits[name] = PatternFit(c, float((g - c * v).norm()) / g_norm)
     nib = window.microbatches[0].num_items_in_batch if window.microbatches else None
-    trainer_count = float(nib.float().reshape(-1)[0]) if isinstance(nib, Tensor) else (
+    own_count = float(nib.float().reshape(-1)[0]) if isinstance(nib, Tensor) else (
         float(nib) if nib is not None else None
     )
+    rank_trainer_counts = _all_gather_objects(own_count)
     return WindowMeasure(
         scale=scale,
         relative_error=error,
@@ -246,7 +252,8 @@ def measure_window(
         microbatch_targets=per_rank_n,
         microbatches=len(batches),
         ranks=world,
-        trainer_count=trainer_count,
+        trainer_count=rank_trainer_counts[0],
+        rank_trainer_counts=rank_trainer_counts,
         rank_spread=spread,
         fits=fits,
     )

@@ -65,8 +65,7 @@ class TrainerAuditReport:
             lines.append(
                 f"  window {i}: gradient = {w.scale:.4f} x correct, relative error "
                 f"{w.relative_error:.1e} ({w.microbatches} microbatches x {w.ranks} ranks, "
-                f"{w.targets} targets, Trainer's count "
-                f"{'none' if w.trainer_count is None else f'{w.trainer_count:g}'})"
+                f"{w.targets} targets, Trainer's count {_counts(w.rank_trainer_counts or [w.trainer_count])})"
             )
         for name in self.mistakes:
             lines.append(f"  cause {name}: {CAUSES[name]}")
@@ -77,6 +76,12 @@ class TrainerAuditReport:
         lines += [f"  note: {n}" for n in self.notes]
         lines.append(f"  not checked: {self.not_checked}")
         return "\n".join(lines)
+
+
+def _counts(counts: list[float | None]) -> str:
+    """The Trainer's num_items_in_batch: one number, or one per rank when they differ."""
+    shown = ["none" if c is None else f"{c:g}" for c in counts]
+    return shown[0] if len(set(shown)) == 1 else " | ".join(shown) + " by rank"
 
 
 __all__ = ["TRAINER_NOT_CHECKED", "TrainerAuditReport"]

@@ -93,6 +93,7 @@ def name_causes(m: WindowMeasure, *, ok_tol: float, match: float) -> Finding:
     counts = f"{n} targets scored, {n_pre} labels not -100 before the shift"
     order = ["token", "rank", "rank_pre", "microbatch"]
     best = next((k for k in order if k in fits), None)
+    count = m.trainer_count if same_on_every_rank(m.rank_trainer_counts) else None
     if best == "token":
         divisor = 1.0 / fits["token"].constant
         if _near(divisor, n_pre, match) and n_pre != n:
@@ -106,13 +107,13 @@ def name_causes(m: WindowMeasure, *, ok_tol: float, match: float) -> Finding:
                 found["ignored_tokens_counted"] = f"the count is the {n_pre} labels before the shift, not the {n} targets"
         elif any(_near(divisor, x, match) for x in (1.0, 1.0 / d, float(d))):
             found["no_division"] = f"the loss sums reach the gradient divided by {divisor:.3g}, not by the {n} targets"
-        elif divisor > n and m.trainer_count is not None and _near(divisor, m.trainer_count, match):
+        elif divisor > n and count is not None and _near(divisor, count, match):
             found["ignored_tokens_counted"] = (
-                f"divided by the Trainer's num_items_in_batch = {m.trainer_count:g} where {n} targets are scored"
+                f"divided by the Trainer's num_items_in_batch = {count:g} where {n} targets are scored"
             )
-        elif divisor < n and m.trainer_count is not None and _near(divisor, m.trainer_count, match):
+        elif divisor < n and count is not None and _near(divisor, count, match):
             found["scored_targets_missed"] = (
-                f"divided by the Trainer's num_items_in_batch = {m.trainer_count:g} where {n} targets are scored"
+                f"divided by the Trainer's num_items_in_batch = {count:g} where {n} targets are scored"
             )
         else:
             found["wrong_normalization"] = f"every target weighs the same but the divisor is {divisor:.4g}, not {n}"
