@@ -117,10 +117,21 @@ restore:
 check: $(VENV)/.installed-core
 	@$(TIMED) "smoke check" $(BIN)/accumlab env --check
 
+# A 2025 transformers beside the newest, for tests/test_hf_audit_versions.py (the Trainer
+# counted num_items_in_batch differently then): installed into its own folder, never into
+# the environment; only that test puts it on PYTHONPATH, in a subprocess.
+HF_OLD := 4.57.6
+HF_OLD_DIR := $(VENV)/hf-transformers-$(HF_OLD)
+$(HF_OLD_DIR)/.installed: | $(VENV)/.installed-dev
+	@echo "installing transformers $(HF_OLD) into $(HF_OLD_DIR) for the transformers-version test ..."
+	$(PIP) --no-deps --target $(HF_OLD_DIR) "transformers==$(HF_OLD)" \
+	  "huggingface_hub>=0.34,<1.0" "tokenizers>=0.22,<=0.23.0"
+	@touch $@
+
 lint: $(VENV)/.installed-dev
 	@$(TIMED) lint $(BIN)/ruff check .
 
-unit: $(VENV)/.installed-dev
+unit: $(VENV)/.installed-dev $(HF_OLD_DIR)/.installed
 	@$(TIMED) "unit tests" env $(TEST_ENV) $(BIN)/python -m pytest -q tests
 
 nbval: $(VENV)/.installed-dev

@@ -10,6 +10,9 @@ Skipped when Accelerate (the ``peers`` extra, also in ``dev``) is not installed.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch.nn.functional as F
 
@@ -100,3 +103,15 @@ def test_a_fixed_a_mean_loop_is_never_ok(accelerator):
     )
     assert not report.ok
     assert report.mistakes or report.other
+
+
+def test_the_readme_loop_runs_as_printed():
+    """README.md's Accelerate section shows a window function and its audit: run that code
+    block as it stands, and its audit is ok."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.partition("\n### An Accelerate loop\n")[2]
+    block = re.search(r"^```python\n(.*?)^```$", section, re.DOTALL | re.MULTILINE)
+    assert block, "README.md has no python block under '### An Accelerate loop'"
+    namespace: dict = {}
+    exec(compile(block.group(1), "README.md", "exec"), namespace)
+    assert namespace["report"].ok, str(namespace["report"])
