@@ -226,3 +226,44 @@ def test_outside_a_trainer_it_says_how_to_use_it():
     callback = AuditCallback()
     with pytest.raises(RuntimeError, match="callbacks=\\[AuditCallback\\(\\)\\]"):
         callback.on_train_begin(None, None, None)
+
+
+class Regression(torch.nn.Module):
+    """A model the audit has no reference objective for: float labels, an MSE loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(3, 1)
+
+    def forward(self, x, labels=None):
+        prediction = self.linear(x).squeeze(-1)
+        loss = None if labels is None else torch.nn.functional.mse_loss(prediction, labels)
+        return {"loss": loss, "logits": prediction}
+
+
+def test_a_job_it_cannot_measure_warns_not_checked_and_never_raises(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    rows = [
+        {"x": torch.randn(3, generator=g), "labels": torch.randn((), generator=g)}
+        for _ in range(M * A)
+    ]
+    callback = AuditCallback(on_mistake="raise")
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=M,
+        gradient_accumulation_steps=A,
+        max_steps=1,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+    )
+    trainer = Trainer(model=Regression(), args=args, train_dataset=rows, callbacks=[callback])
+    trainer.remove_callback(PrinterCallback)
+    with pytest.warns(AccumulationWarning, match="not checked: the labels are floating point"):
+        trainer.train()
+    (report,) = callback.reports
+    assert not report.ok and not report.checked
+    assert trainer.state.global_step == 1  # the run went on
