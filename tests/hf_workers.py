@@ -261,3 +261,43 @@ def ddp_cases() -> list[dict[str, Any]]:
             "fixed_ok": fixed.ok, "text": str(report),
         })
     return out
+
+
+# -- the audit under another transformers release (run in a subprocess) ------------------
+
+VERSION_CASES = ("plain", "loss_type", "kwargs", "nokw", "correct_func")
+
+
+def version_cases() -> None:
+    """Print, as one JSON line, each of :data:`VERSION_CASES` under the transformers this
+    interpreter imports: the audit's verdict and scale, the independent scale (one real
+    update against the token mean of the 8 examples) and whether the fix makes it ok."""
+    import copy
+    import json
+
+    import transformers
+
+    import accumlab.hf as ah
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"version": transformers.__version__}
+    for case in VERSION_CASES:
+        kind = "plain" if case == "correct_func" else case
+        extra = {"compute_loss_func": correct_loss_func} if case == "correct_func" else {}
+        g = applied_gradient(model_for(kind), **extra)
+        ref = reference_gradient(copy.deepcopy(model_for(kind)), [collate(examples())])
+        model = model_for(kind)
+        trainer = make_trainer(model, **extra)
+        report = ah.audit_trainer(trainer)
+        fixed = ah.audit_trainer(apply_fix(report, model, trainer, **extra)) if report.fix else report
+        out[case] = {
+            "ok": report.ok, "mistakes": report.mistakes, "scale": report.scale,
+            "independent_scale": least_squares_scale(g, ref), "fixed_ok": fixed.ok,
+            "needs_new_trainer": report.fix_needs_new_trainer,
+        }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    version_cases()
