@@ -267,3 +267,25 @@ def test_a_job_it_cannot_measure_warns_not_checked_and_never_raises(tmp_path):
     (report,) = callback.reports
     assert not report.ok and not report.checked
     assert trainer.state.global_step == 1  # the run went on
+
+
+@pytest.mark.distributed
+def test_two_gloo_ranks_agree_and_raise_together():
+    """Under DDP (2 gloo ranks, each with its own examples) every rank gets the same
+    verdict on its first update, a wrong job warns on both and ``"raise"`` stops both
+    before the first update; after the audited update the run is bit for bit the run
+    without the callback on both ranks."""
+    import hf_callback_workers
+
+    from accumlab import distributed as ald
+
+    ranks = ald.launch(hf_callback_workers.callback_ranks, 2, timeout_s=60, deadline_s=400)
+    for rank in ranks:
+        good, bad = rank["loss_type"], rank["plain"]
+        assert good["ok"] and good["warned"] == 0 and good["ranks"] == 2, good["text"]
+        assert bad["mistakes"] == ["ignored_tokens_counted"] and bad["warned"] == 1
+        for run in (good, bad):
+            assert run["same_as_plain"] and not run["wrapped_after"]
+        assert rank["raise"] == {"raised": True, "untouched": True, "updates": 0}
+    assert ranks[0]["plain"]["text"] == ranks[1]["plain"]["text"]
+    assert ranks[0]["loss_type"]["text"] == ranks[1]["loss_type"]["text"]
