@@ -80,3 +80,80 @@ def callback_ranks() -> dict[str, Any]:
         "updates": trainer.state.global_step,
     }
     return out
+
+
+# -- the callback under another transformers release (run in a subprocess) ----------------
+
+
+def version_cases() -> dict[str, Any]:
+    """Under the transformers this interpreter imports: GPT-2 (dropout 0.1) with the prompt
+    masked (position 0 never labelled, so every release counts right) and labelled on every
+    token (a release that counts before the shift is off), each with the first of three
+    updates audited: the verdict, the warnings, whether the run then matched a run without
+    the callback bit for bit; and whether "raise" stopped the wrong job with no update."""
+    import transformers
+
+    from accumlab.hf import AuditCallback
+    from accumlab.hf.callback import AccumulationError, AccumulationWarning
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+
+    def collate_for(mask_first: bool) -> Any:
+        def collate(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+            batch = hw.collate(features)
+            if mask_first:
+                batch["labels"][:, 0] = -100  # a prompt token: never a target
+            return batch
+
+        return collate
+
+    out: dict[str, Any] = {"version": transformers.__version__}
+    for name, mask_first in (("masked", True), ("every_token", False)):
+        runs = []
+        for callbacks in ([AuditCallback()], []):
+            trainer = hw.make_trainer(
+                hw.model_for("plain", dropout=0.1),
+                hw.make_args(max_steps=3),
+                data_collator=collate_for(mask_first),
+                train_dataset=hw.examples(hw.SIXTEEN),
+                callbacks=callbacks,
+            )
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                trainer.train()
+            runs.append((trainer, caught, callbacks))
+        (audited, caught, (callback,)), (plain, _, _) = runs
+        (report,) = callback.reports
+        out[name] = {
+            "ok": report.ok,
+            "mistakes": report.mistakes,
+            "warned": sum(issubclass(w.category, AccumulationWarning) for w in caught),
+            "same_as_plain": _same(_weights(audited.model), _weights(plain.model)),
+            "wrapped_after": "training_step" in vars(audited),
+        }
+    model = hw.model_for("plain")
+    before = _weights(model)
+    trainer = hw.make_trainer(
+        model,
+        hw.make_args(max_steps=3),
+        train_dataset=hw.examples(hw.SIXTEEN),
+        callbacks=[AuditCallback(on_mistake="raise")],
+    )
+    try:
+        trainer.train()
+        raised = False
+    except AccumulationError:
+        raised = True
+    out["raise"] = {
+        "raised": raised,
+        "untouched": _same(_weights(model), before),
+        "updates": trainer.state.global_step,
+    }
+    return out
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(version_cases()))

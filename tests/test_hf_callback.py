@@ -289,3 +289,41 @@ def test_two_gloo_ranks_agree_and_raise_together():
         assert rank["raise"] == {"raised": True, "untouched": True, "updates": 0}
     assert ranks[0]["plain"]["text"] == ranks[1]["plain"]["text"]
     assert ranks[0]["loss_type"]["text"] == ranks[1]["loss_type"]["text"]
+
+
+def test_the_callback_under_transformers_4_57():
+    """The same callback under the 2025 release the hf extra is tested with (4.57.6, whose
+    Trainer counts labels before the shift for every model), in a subprocess that imports
+    it from its own folder (``make unit`` installs it; skipped when it is not there)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    folder = Path(os.environ.get("ACCUMLAB_HF_OLD", Path(sys.prefix) / "hf-transformers-4.57.6"))
+    if not (folder / "transformers").is_dir():
+        pytest.skip(f"transformers 4.57.6 is not installed in {folder}: run make unit")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(folder), str(here)]),
+        TQDM_DISABLE="1",
+        OMP_NUM_THREADS="1",
+    )
+    done = subprocess.run(
+        [sys.executable, str(here / "hf_callback_workers.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["version"] == "4.57.6"
+    masked, every = result["masked"], result["every_token"]
+    assert masked["ok"] and masked["warned"] == 0
+    assert every["mistakes"] == ["ignored_tokens_counted"] and every["warned"] == 1
+    for run in (masked, every):
+        assert run["same_as_plain"] and not run["wrapped_after"]
+    assert result["raise"] == {"raised": True, "untouched": True, "updates": 0}
