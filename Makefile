@@ -84,7 +84,7 @@ $(VENV)/.installed-core: pyproject.toml $(VENV)/.installed-torch
 	@touch $@
 
 $(VENV)/.installed-lab: $(VENV)/.installed-core
-	@echo "installing JupyterLab ..."
+	@echo "installing JupyterLab and Hugging Face transformers (lesson 08 runs a Trainer) ..."
 	$(PIP) -e ".[lab]"
 	@touch $@
 
