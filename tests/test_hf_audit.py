@@ -182,19 +182,24 @@ def test_several_windows_are_each_measured():
     assert report.relative_error == max(w.relative_error for w in report.windows)
 
 
-def test_sequence_classification_reference_is_the_example_mean():
+@pytest.mark.parametrize("per_device", [2, 3])  # microbatches 2+2+2+2, or 3+3+2
+def test_sequence_classification_reference_is_the_example_mean(per_device):
+    # GPT2ForSequenceClassification takes **kwargs but returns its own mean: x A
+    args = hw.make_args(per_device_train_batch_size=per_device,
+                        gradient_accumulation_steps={2: 4, 3: 3}[per_device])
     model = hw.gpt2_classifier()
-    trainer = hw.make_trainer(model, data_collator=hw.collate_classes)
+    trainer = hw.make_trainer(model, args, data_collator=hw.collate_classes)
     report = ah.audit_trainer(trainer)
     assert report.checked and "example mean" in report.objective
-    # microbatches all hold 2 examples: the model's mean per microbatch / A is the example
-    # mean, and the audit says so rather than ok-ing blindly on structure it cannot see
-    if report.ok:
-        assert any("same target count" in n for n in report.notes)
-    else:
-        assert report.mistakes, str(report)
-        fixed = apply_fix(report, model, trainer, data_collator=hw.collate_classes)
-        assert ah.audit_trainer(fixed).ok
+    assert report.mistakes == ["num_items_ignored"], str(report)
+    assert report.windows[0].targets == 8 and report.windows[0].unit == "example"
+    if per_device == 2:  # equal microbatches: exactly A times the example mean
+        assert report.scale == pytest.approx(4.0, abs=1e-5)
+    fixed = apply_fix(report, model, trainer, data_collator=hw.collate_classes)
+    after = ah.audit_trainer(fixed)
+    assert after.ok, str(after)
+    if per_device == 2:  # the data cannot show a mean per microbatch: the report says so
+        assert any("same example count" in n for n in after.notes)
 
 
 # -- the trainer is left exactly as it was ----------------------------------------------
@@ -348,15 +353,41 @@ def test_a_model_without_logits_is_not_checked():
     assert not report.ok and not report.checked
 
 
-def test_unknown_objective_is_not_checked():
+class TokenLoss:
+    """Token classification: cross-entropy per labelled token, no shift."""
+
+    unit = "token"
+
+    def count(self, batch):
+        return int((batch["labels"] != -100).sum())
+
+    def loss_sum(self, output, batch):
+        logits = output.logits
+        return torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1).float(), batch["labels"].flatten().to(logits.device),
+            ignore_index=-100, reduction="sum")
+
+
+def test_unknown_objective_is_not_checked_and_a_named_one_is_measured():
     def token_classes(features):
         batch = hw.collate(features)
-        batch["labels"] = batch["labels"].clamp(max=2)
+        batch["labels"] = torch.where(batch["labels"] >= 0, batch["labels"] % 3, -100)
         return batch
 
     from transformers import GPT2Config, GPT2ForTokenClassification
 
-    model = GPT2ForTokenClassification(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64,
-                                                  n_positions=16, num_labels=3))
-    report = ah.audit_trainer(hw.make_trainer(model, data_collator=token_classes))
-    assert not report.checked and "objective" in report.reason
+    torch.manual_seed(0)
+    model = GPT2ForTokenClassification(GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16, num_labels=3,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, classifier_dropout=0.0))
+    trainer = hw.make_trainer(model, data_collator=token_classes)
+    report = ah.audit_trainer(trainer)
+    assert not report.checked and not report.ok and "objective" in report.reason
+    objective = TokenLoss()
+    report = ah.audit_trainer(trainer, objective=objective)
+    assert report.checked and not report.ok
+    assert report.mistakes in (["num_items_ignored"], ["average_of_averages"]), str(report)
+    assert report.windows[0].targets == 55 and report.windows[0].unit == "token"
+    namespace = {"model": model, "trainer": trainer, "args": trainer.args, "objective": objective}
+    exec(report.fix, namespace)
+    assert ah.audit_trainer(trainer, objective=objective).ok

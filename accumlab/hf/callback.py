@@ -120,7 +120,11 @@ class AuditCallback(TrainerCallback):
         self._left -= 1
         if self._left == 0:
             self._stop()
-        self._judge(diagnose(windows, trainer, objective=self.objective))
+        try:
+            report = diagnose(windows, trainer, objective=self.objective)
+        except BaseException:
+            raise
+        self._judge(report)
 
     def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         self._stop()  # a run with fewer updates than `steps`

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..objectives import NextTokenLoss, Objective
+from ..objectives import ExampleLoss, NextTokenLoss, Objective
 from .capture import CapturedWindow
 from .fixes import fix_for
 from .reference import intended_objective, measure_window
@@ -54,6 +54,16 @@ def unwrapped_model(trainer: Any) -> torch.nn.Module:
     model = trainer.model
     accelerator = getattr(trainer, "accelerator", None)
     return accelerator.unwrap_model(model) if accelerator is not None else model
+
+
+def objective_kind(objective: Objective) -> str:
+    """``"causal"`` (next-token, -100 ignored), ``"example"`` (cross-entropy per example)
+    or ``"custom"``: which correct loss a fix writes out."""
+    if isinstance(objective, NextTokenLoss) and objective.ignore_index == -100:
+        return "causal"
+    if isinstance(objective, ExampleLoss) and objective.name == "cross_entropy":
+        return "example"
+    return "custom"
 
 
 def diagnose(
@@ -89,8 +99,7 @@ def diagnose(
     mistakes = [k for k in TRAINER_MISTAKES if k in evidence]
     worst = max(measures, key=lambda m: -1.0 if math.isnan(m.relative_error) else m.relative_error)
     ok = not mistakes and all(m.relative_error <= ok_tol for m in measures)
-    causal = isinstance(objective, NextTokenLoss)
-    fix, needs_new = fix_for(mistakes, trainer, model, causal, measures[0].ranks)
+    fix, needs_new = fix_for(mistakes, trainer, model, objective_kind(objective), measures[0].ranks)
     notes = []
     if ok:
         for note in blind_spots(measures[0], ok_tol):

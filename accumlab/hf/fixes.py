@@ -40,6 +40,14 @@ def example_mean_loss(outputs, labels, num_items_in_batch=None):
 trainer.compute_loss_func = example_mean_loss
 '''
 
+_CUSTOM_MEAN = '''# `objective` is the Objective you passed to audit_trainer: sum its losses over each
+# microbatch and divide once by the window's count.
+def objective_mean_loss(outputs, labels, num_items_in_batch=None):
+    return objective.loss_sum(outputs, {"labels": labels}) / num_items_in_batch
+
+trainer.compute_loss_func = objective_mean_loss
+'''
+
 _MASK_FIRST_LABEL = '''# Position 0 of a causal LM's labels is never a target: mask it, so the Trainer's
 # num_items_in_batch (counted over the labels) is the number of targets the loss scores.
 _collate = trainer.data_collator
@@ -78,24 +86,28 @@ def _compute_loss_overridden(trainer: Any) -> bool:
     return own is not None or type(trainer).compute_loss is not Trainer.compute_loss
 
 
-def _objective_loss(causal: bool, trainer: Any) -> str:
-    """The correct ``compute_loss_func``, with the count fix a causal LM needs here."""
+def _objective_loss(kind: str, trainer: Any) -> str:
+    """The correct ``compute_loss_func`` for objective ``kind`` (``"causal"``,
+    ``"example"``, ``"custom"``), with the count fix a causal LM needs here."""
     parts = []
     if _compute_loss_overridden(trainer):
         parts.append(_DROP_OVERRIDE)
     if getattr(trainer, "loss_is_scaled_for_ga", None) is not None:
         parts.append("trainer.loss_is_scaled_for_ga = None  # compute_loss_func divides by the window's count\n")
-    parts.append(_TOKEN_MEAN if causal else _EXAMPLE_MEAN)
-    if causal and not _counts_shifted(trainer):
+    parts.append({"causal": _TOKEN_MEAN, "example": _EXAMPLE_MEAN}.get(kind, _CUSTOM_MEAN))
+    if kind == "causal" and not _counts_shifted(trainer):
         parts.append(_MASK_FIRST_LABEL)
     return "\n".join(parts)
 
 
 def fix_for(
-    mistakes: list[str], trainer: Any, model: nn.Module, causal: bool, ranks: int = 1
+    mistakes: list[str], trainer: Any, model: nn.Module, kind: str, ranks: int = 1
 ) -> tuple[str, bool]:
     """``(code, needs_new_trainer)`` for the named ``mistakes`` of this Trainer's job,
-    run on ``ranks`` data-parallel ranks."""
+    run on ``ranks`` data-parallel ranks, audited against objective ``kind``
+    (``"causal"``: token mean over shifted targets, ``"example"``: example mean of
+    cross-entropy, ``"custom"``: an Objective the user passed, named ``objective`` in the
+    fix)."""
     if not mistakes:
         return "", False
     names = set(mistakes)
@@ -111,7 +123,7 @@ def fix_for(
     parts: list[str] = []
     needs_new = False
     if names & loss_fix:
-        parts.append(_objective_loss(causal, trainer))
+        parts.append(_objective_loss(kind, trainer))
     elif "ignored_tokens_counted" in names:
         plain_model = hasattr(trainer, "_loss_shifts_labels") and trainer.compute_loss_func is None
         if plain_model and hasattr(model, "loss_type"):

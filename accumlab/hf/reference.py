@@ -136,6 +136,7 @@ class WindowMeasure:
     trainer_count: float | None
     rank_spread: float
     rank_trainer_counts: list[float | None] = field(default_factory=list)
+    unit: str = "target"
     fits: dict[str, PatternFit] = field(default_factory=dict)
 
 
@@ -254,6 +255,7 @@ def measure_window(
         ranks=world,
         trainer_count=rank_trainer_counts[0],
         rank_trainer_counts=rank_trainer_counts,
+        unit=getattr(objective, "unit", "unit"),
         rank_spread=spread,
         fits=fits,
     )

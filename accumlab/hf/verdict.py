@@ -79,7 +79,14 @@ def _near(value: float, target: float, tol: float) -> bool:
 
 
 def name_causes(m: WindowMeasure, *, ok_tol: float, match: float) -> Finding:
-    """The causes that explain window ``m``; empty when its relative error is within ``ok_tol``."""
+    """The causes that explain window ``m``; empty when its relative error is within ``ok_tol``.
+
+    Every pattern whose fit is within ``match`` is tried, in the order per target, per
+    rank, per rank counted before the shift, per microbatch; the first whose constant is
+    a known divisor names the cause (when the data cannot tell patterns apart, e.g. equal
+    microbatch counts, the constant does). A per-target fit with an unknown divisor is
+    ``wrong_normalization``; no fit at all is ``not_token_mean``.
+    """
     found: dict[str, str] = {}
     if m.rank_spread > ok_tol:
         found["ranks_disagree"] = (
@@ -89,65 +96,20 @@ def name_causes(m: WindowMeasure, *, ok_tol: float, match: float) -> Finding:
     if m.relative_error <= ok_tol:
         return _ordered(found)
     fits = {k: f for k, f in m.fits.items() if f.residual <= match}
-    a, d, n, n_pre = m.microbatches, m.ranks, m.targets, m.counted
-    counts = f"{n} targets scored, {n_pre} labels not -100 before the shift"
-    order = ["token", "rank", "rank_pre", "microbatch"]
-    best = next((k for k in order if k in fits), None)
-    count = m.trainer_count if same_on_every_rank(m.rank_trainer_counts) else None
-    if best == "token":
-        divisor = 1.0 / fits["token"].constant
-        if _near(divisor, n_pre, match) and n_pre != n:
-            found["ignored_tokens_counted"] = (
-                f"the gradient is the correct one times {n / n_pre:.4f} = {n}/{n_pre}: "
-                f"divided by {n_pre} counted labels where {n} targets are scored"
-            )
-        elif _near(divisor, a * n, match) or _near(divisor, a * n_pre, match):
-            found["double_division"] = f"divided by {divisor:.1f} = A × count (A = {a}, {counts})"
-            if _near(divisor, a * n_pre, match) and n_pre != n:
-                found["ignored_tokens_counted"] = f"the count is the {n_pre} labels before the shift, not the {n} targets"
-        elif any(_near(divisor, x, match) for x in (1.0, 1.0 / d, float(d))):
-            found["no_division"] = f"the loss sums reach the gradient divided by {divisor:.3g}, not by the {n} targets"
-        elif divisor > n and count is not None and _near(divisor, count, match):
-            found["ignored_tokens_counted"] = (
-                f"divided by the Trainer's num_items_in_batch = {count:g} where {n} targets are scored"
-            )
-        elif divisor < n and count is not None and _near(divisor, count, match):
-            found["scored_targets_missed"] = (
-                f"divided by the Trainer's num_items_in_batch = {count:g} where {n} targets are scored"
-            )
-        else:
-            found["wrong_normalization"] = f"every target weighs the same but the divisor is {divisor:.4g}, not {n}"
-    elif best in ("rank", "rank_pre"):
-        c = fits[best].constant
-        per_rank = m.rank_targets if best == "rank" else m.rank_counted
-        found["per_rank_mean"] = (
-            f"each rank divides by its own count ({per_rank} by rank) instead of the {n} "
-            f"targets of all {d} ranks"
+    if m.ranks == 1:  # a per-rank mean is the per-target pattern itself
+        fits = {k: f for k, f in fits.items() if k not in ("rank", "rank_pre")}
+    namers = {"token": _token, "rank": _rank, "rank_pre": _rank, "microbatch": _microbatch}
+    for pattern in ("token", "rank", "rank_pre", "microbatch"):
+        if pattern in fits:
+            named = namers[pattern](m, pattern, fits[pattern].constant, match)
+            if named:
+                found.update(named)
+                return _ordered(found)
+    if "token" in fits:
+        found["wrong_normalization"] = (
+            f"every {m.unit} weighs the same but the divisor is {1.0 / fits['token'].constant:.4g}, "
+            f"not the {m.targets} {m.unit}s"
         )
-        if best == "rank_pre":
-            found["ignored_tokens_counted"] = (
-                f"the per-rank counts {m.rank_counted} are labels before the shift; the ranks score {m.rank_targets}"
-            )
-        if not _near(c, 1.0 / d, match):
-            found["wrong_normalization"] = f"and an extra factor {c * d:.4g} on top of the per-rank means"
-    elif best == "microbatch":
-        c = fits["microbatch"].constant
-        sizes = "; ".join(str(x) for x in m.microbatch_targets)
-        if _near(c, 1.0 / (a * d), match):
-            found["average_of_averages"] = (
-                f"each microbatch's mean over its own targets ({sizes}), divided by A = {a}"
-            )
-        elif _near(c, 1.0, match) or _near(c, 1.0 / d, match):
-            found["num_items_ignored"] = (
-                f"each microbatch's mean over its own targets ({sizes}), summed over A = {a} "
-                f"microbatches: {m.scale:.3g} times the correct gradient"
-            )
-        elif any(_near(c * n, x, match) for x in (1.0, float(d), 1.0 / d)):
-            found["double_division"] = f"each microbatch's mean ({sizes}) divided again by the window's {n} targets"
-        else:
-            found["average_of_averages"] = (
-                f"each microbatch's mean over its own targets ({sizes}), times {c:.4g}"
-            )
     else:
         best_residual = min((f.residual for f in m.fits.values()), default=float("nan"))
         found["not_token_mean"] = (
@@ -156,6 +118,61 @@ def name_causes(m: WindowMeasure, *, ok_tol: float, match: float) -> Finding:
             f"error {m.relative_error:.2e}"
         )
     return _ordered(found)
+
+
+def _token(m: WindowMeasure, pattern: str, constant: float, match: float) -> dict[str, str]:
+    """Every target weighs the same: name the divisor (empty when it is unknown)."""
+    a, d, n, n_pre, unit = m.microbatches, m.ranks, m.targets, m.counted, m.unit
+    divisor = 1.0 / constant
+    count = m.trainer_count if same_on_every_rank(m.rank_trainer_counts) else None
+    if _near(divisor, n_pre, match) and n_pre != n:
+        return {"ignored_tokens_counted": (
+            f"the gradient is the correct one times {n / n_pre:.4f} = {n}/{n_pre}: "
+            f"divided by {n_pre} counted labels where {n} {unit}s are scored"
+        )}
+    if _near(divisor, a * n, match) or _near(divisor, a * n_pre, match):
+        out = {"double_division": f"divided by {divisor:.1f} = A x count (A = {a}, {n} {unit}s scored)"}
+        if _near(divisor, a * n_pre, match) and n_pre != n:
+            out["ignored_tokens_counted"] = f"the count is the {n_pre} labels before the shift, not the {n} {unit}s"
+        return out
+    if any(_near(divisor, x, match) for x in (1.0, 1.0 / d, float(d))):
+        return {"no_division": f"the loss sums reach the gradient divided by {divisor:.3g}, not by the {n} {unit}s"}
+    if count is not None and _near(divisor, count, match):
+        name = "ignored_tokens_counted" if divisor > n else "scored_targets_missed"
+        return {name: f"divided by the Trainer's num_items_in_batch = {count:g} where {n} {unit}s are scored"}
+    return {}
+
+
+def _rank(m: WindowMeasure, pattern: str, constant: float, match: float) -> dict[str, str]:
+    """Each rank divides by its own count: a per-rank mean (empty for an unknown constant)."""
+    if not _near(constant, 1.0 / m.ranks, match):
+        return {}
+    per_rank = m.rank_targets if pattern == "rank" else m.rank_counted
+    out = {"per_rank_mean": (
+        f"each rank divides by its own count ({per_rank} by rank) instead of the {m.targets} "
+        f"{m.unit}s of all {m.ranks} ranks"
+    )}
+    if pattern == "rank_pre":
+        out["ignored_tokens_counted"] = (
+            f"the per-rank counts {m.rank_counted} are labels before the shift; the ranks score {m.rank_targets}"
+        )
+    return out
+
+
+def _microbatch(m: WindowMeasure, pattern: str, constant: float, match: float) -> dict[str, str]:
+    """Each microbatch is its own mean: name what multiplies the means."""
+    a, d, n, c = m.microbatches, m.ranks, m.targets, constant
+    sizes = "; ".join(str(x) for x in m.microbatch_targets)
+    if _near(c, 1.0 / (a * d), match):
+        return {"average_of_averages": f"each microbatch's mean over its own {m.unit}s ({sizes}), divided by A = {a}"}
+    if _near(c, 1.0, match) or _near(c, 1.0 / d, match):
+        return {"num_items_ignored": (
+            f"each microbatch's mean over its own {m.unit}s ({sizes}), summed over A = {a} "
+            f"microbatches: {m.scale:.3g} times the correct gradient"
+        )}
+    if any(_near(c * n, x, match) for x in (1.0, float(d), 1.0 / d)):
+        return {"double_division": f"each microbatch's mean ({sizes}) divided again by the window's {n} {m.unit}s"}
+    return {"average_of_averages": f"each microbatch's mean over its own {m.unit}s ({sizes}), times {c:.4g}"}
 
 
 def _ordered(found: dict[str, str]) -> Finding:
@@ -169,14 +186,14 @@ def blind_spots(m: WindowMeasure, ok_tol: float) -> list[str]:
     flat = [x for rank in m.microbatch_targets for x in rank]
     if same_on_every_rank(flat) and len(flat) > 1:
         notes.append(
-            "every microbatch has the same target count, so a mean per microbatch would "
+            f"every microbatch has the same {m.unit} count, so a mean per microbatch would "
             "pass too: audit a window with uneven lengths to rule it out"
         )
     if m.ranks > 1 and same_on_every_rank(m.rank_targets):
         notes.append(
-            "every rank has the same target count, so per-rank means would pass too"
+            f"every rank has the same {m.unit} count, so per-rank means would pass too"
         )
-    if m.counted == m.targets and m.microbatch_targets and flat and m.ranks:
+    if m.unit == "target" and m.counted == m.targets:
         notes.append("no label before the shift is unscored here, so counting before the shift would pass too")
     return notes
 
