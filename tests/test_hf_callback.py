@@ -327,3 +327,19 @@ def test_the_callback_under_transformers_4_57():
     for run in (masked, every):
         assert run["same_as_plain"] and not run["wrapped_after"]
     assert result["raise"] == {"raised": True, "untouched": True, "updates": 0}
+
+
+def test_an_error_inside_the_audit_leaves_with_its_wrappers(tmp_path, monkeypatch):
+    """If measuring fails unexpectedly, the error leaves train() and the Trainer's own
+    training_step and clip_grad_norm_ are back in place."""
+    import accumlab.hf.callback as module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the reference failed")
+
+    monkeypatch.setattr(module, "diagnose", broken)
+    trainer = trainer_for(tiny_gpt2(loss_type="ForCausalLM"), tmp_path, [AuditCallback(steps=2)])
+    with pytest.raises(RuntimeError, match="the reference failed"):
+        trainer.train()
+    assert "training_step" not in vars(trainer)
+    assert "clip_grad_norm_" not in vars(trainer.accelerator)

@@ -123,6 +123,7 @@ class AuditCallback(TrainerCallback):
         try:
             report = diagnose(windows, trainer, objective=self.objective)
         except BaseException:
+            self._stop()  # the error leaves train(): take the wrappers out with it
             raise
         self._judge(report)
 
