@@ -178,8 +178,12 @@ def test_several_windows_are_each_measured():
     report = ah.audit_trainer(trainer, steps=3)
     assert len(report.windows) == 2  # 8 examples, 2 per microbatch, 2 per window
     assert "average_of_averages" in report.mistakes
-    assert any("2 windows" in n for n in report.notes)
+    assert any("first epoch holds 2 windows" in n for n in report.notes)
     assert report.relative_error == max(w.relative_error for w in report.windows)
+    capped = hw.make_trainer(hw.model_for("nokw"),
+                             hw.make_args(gradient_accumulation_steps=2, max_steps=1))
+    report = ah.audit_trainer(capped, steps=3)
+    assert len(report.windows) == 1 and any("the run takes 1 windows" in n for n in report.notes)
 
 
 @pytest.mark.parametrize("per_device", [2, 3])  # microbatches 2+2+2+2, or 3+3+2

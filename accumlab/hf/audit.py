@@ -151,13 +151,15 @@ def audit_trainer(
     reason = _not_checked_reason(trainer)
     if reason is not None:
         return TrainerAuditReport.unchecked(reason)
+    asked = steps
+    if trainer.args.max_steps > 0:  # the run itself takes no more updates than this
+        steps = min(steps, trainer.args.max_steps)
     with preserved_trainer(trainer):
         windows = run_windows(trainer, steps)
         report = diagnose(windows, trainer, objective=objective)
-    if report.checked and len(report.windows) < steps:
-        report.notes.append(
-            f"the first epoch holds {len(report.windows)} windows; {steps} were asked for"
-        )
+    if report.checked and len(report.windows) < asked:
+        held = "the run takes" if steps < asked else "the first epoch holds"
+        report.notes.append(f"{held} {len(report.windows)} windows; {asked} were asked for")
     return report
 
 
