@@ -62,6 +62,8 @@ def test_the_issue_table_scale_verdict_and_fix(kind, causes):
     assert report.ok is (not causes)
     text = str(report)
     assert f"{report.scale:.4f}" in text
+    assert "not checked: " in text and report.objective in text
+    assert max(len(line) for line in text.splitlines()) <= 100
     if not causes:
         assert report.fix == "" and report.relative_error < 1e-5
         return

@@ -18,11 +18,12 @@ REBUILD = "# Run this before the Trainer is built: the Trainer reads it when it 
 _TOKEN_MEAN = '''import torch.nn.functional as F
 
 def token_mean_loss(outputs, labels, num_items_in_batch=None):
-    """Summed cross-entropy over the shifted targets, divided once by the window's count."""
+    """Summed cross-entropy over the shifted targets / the window's target count."""
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
     targets = labels[:, 1:].to(logits.device)
     loss_sum = F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"
+        logits[:, :-1].flatten(0, 1).float(), targets.flatten(),
+        ignore_index=-100, reduction="sum",
     )
     return loss_sum / num_items_in_batch
 
@@ -32,24 +33,26 @@ trainer.compute_loss_func = token_mean_loss
 _EXAMPLE_MEAN = '''import torch.nn.functional as F
 
 def example_mean_loss(outputs, labels, num_items_in_batch=None):
-    """Summed cross-entropy over the examples, divided once by the window's count."""
+    """Summed cross-entropy over the examples / the window's example count."""
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
-    loss_sum = F.cross_entropy(logits.float(), labels.to(logits.device), reduction="sum")
+    labels = labels.to(logits.device)
+    loss_sum = F.cross_entropy(logits.float(), labels, reduction="sum")
     return loss_sum / num_items_in_batch
 
 trainer.compute_loss_func = example_mean_loss
 '''
 
-_CUSTOM_MEAN = '''# `objective` is the Objective you passed to audit_trainer: sum its losses over each
-# microbatch and divide once by the window's count.
+_CUSTOM_MEAN = '''# `objective` is the Objective you passed to audit_trainer: sum its losses over
+# each microbatch and divide once by the window's count.
 def objective_mean_loss(outputs, labels, num_items_in_batch=None):
     return objective.loss_sum(outputs, {"labels": labels}) / num_items_in_batch
 
 trainer.compute_loss_func = objective_mean_loss
 '''
 
-_MASK_FIRST_LABEL = '''# Position 0 of a causal LM's labels is never a target: mask it, so the Trainer's
-# num_items_in_batch (counted over the labels) is the number of targets the loss scores.
+_MASK_FIRST_LABEL = '''# Position 0 of a causal LM's labels is never a target: mask it, so the
+# Trainer's num_items_in_batch (counted over the labels) is the number of
+# targets the loss scores.
 _collate = trainer.data_collator
 
 def collate_masking_first_label(features):
@@ -64,13 +67,14 @@ trainer.data_collator = collate_masking_first_label
 _LOSS_TYPE = '''model.loss_type = "ForCausalLM"  # tells the Trainer the loss shifts the labels
 '''
 
-_GLOBAL_COUNT = '''args.average_tokens_across_devices = True  # one count over all ranks' targets
+_GLOBAL_COUNT = '''args.average_tokens_across_devices = True  # one count over all ranks
 '''
 
 _DROP_OVERRIDE = '''import types
 from transformers import Trainer
 
-trainer.compute_loss = types.MethodType(Trainer.compute_loss, trainer)  # drop the override
+# drop the compute_loss override: the Trainer's own calls compute_loss_func
+trainer.compute_loss = types.MethodType(Trainer.compute_loss, trainer)
 '''
 
 
@@ -93,7 +97,7 @@ def _objective_loss(kind: str, trainer: Any) -> str:
     if _compute_loss_overridden(trainer):
         parts.append(_DROP_OVERRIDE)
     if getattr(trainer, "loss_is_scaled_for_ga", None) is not None:
-        parts.append("trainer.loss_is_scaled_for_ga = None  # compute_loss_func divides by the window's count\n")
+        parts.append("trainer.loss_is_scaled_for_ga = None  # compute_loss_func divides\n")
     parts.append({"causal": _TOKEN_MEAN, "example": _EXAMPLE_MEAN}.get(kind, _CUSTOM_MEAN))
     if kind == "causal" and not _counts_shifted(trainer):
         parts.append(_MASK_FIRST_LABEL)
@@ -136,8 +140,9 @@ def fix_for(
         parts.append(_GLOBAL_COUNT)
     if "ranks_disagree" in names:
         parts.append(
-            "# The ranks' gradients differ after the sync: launch with torchrun so the Trainer\n"
-            "# wraps the model in DistributedDataParallel, and do not train a copy of the model.\n"
+            "# The ranks' gradients differ after the sync: launch with torchrun so the\n"
+            "# Trainer wraps the model in DistributedDataParallel, and do not train a\n"
+            "# copy of the model.\n"
         )
     return "\n".join(parts), needs_new
 

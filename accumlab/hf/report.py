@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass, field
 
 from .reference import WindowMeasure
@@ -54,28 +55,46 @@ class TrainerAuditReport:
         return cls(ok=False, checked=False, reason=reason, notes=list(notes or []))
 
     def __str__(self) -> str:
+        """The verdict, measured numbers, causes, fix and what was not checked; prose lines
+        wrapped at :data:`WIDTH` characters (the fix's code is printed as it is)."""
         if not self.checked:
-            lines = [f"accumulation audit: not checked: {self.reason}"]
-            lines += [f"  note: {n}" for n in self.notes]
+            lines = _wrap(f"accumulation audit: not checked: {self.reason}", "  ")
+            for n in self.notes:
+                lines += _wrap(f"  note: {n}", "    ")
             return "\n".join(lines)
         verdict = "ok" if self.ok else "WRONG: " + ", ".join(self.mistakes)
         lines = [f"accumulation audit: {verdict}"]
-        lines.append(f"  reference: {self.objective}")
+        lines += _wrap(f"  reference: {self.objective}", "    ")
         for i, w in enumerate(self.windows):
-            lines.append(
+            counts = _counts(w.rank_trainer_counts or [w.trainer_count])
+            lines += _wrap(
                 f"  window {i}: gradient = {w.scale:.4f} x correct, relative error "
-                f"{w.relative_error:.1e} ({w.microbatches} microbatches x {w.ranks} ranks, "
-                f"{w.targets} targets, Trainer's count {_counts(w.rank_trainer_counts or [w.trainer_count])})"
+                f"{w.relative_error:.1e} ({w.microbatches} microbatches x {_plural(w.ranks, 'rank')}, "
+                f"{w.targets} {w.unit}s, Trainer's count {counts})",
+                "    ",
             )
         for name in self.mistakes:
-            lines.append(f"  cause {name}: {CAUSES[name]}")
-            lines.append(f"    measured: {self.evidence[name]}")
+            lines += _wrap(f"  cause {name}: {CAUSES[name]}", "    ")
+            lines += _wrap(f"    measured: {self.evidence[name]}", "      ")
         if self.fix:
             lines.append("  fix (paste; then run the audit again):")
             lines += ["    " + line if line else "" for line in self.fix.rstrip("\n").split("\n")]
-        lines += [f"  note: {n}" for n in self.notes]
-        lines.append(f"  not checked: {self.not_checked}")
+        for n in self.notes:
+            lines += _wrap(f"  note: {n}", "    ")
+        lines += _wrap(f"  not checked: {self.not_checked}", "    ")
         return "\n".join(lines)
+
+
+#: The widest prose line ``str(report)`` prints.
+WIDTH = 100
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _wrap(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, subsequent_indent=indent, break_on_hyphens=False) or [""]
 
 
 def _counts(counts: list[float | None]) -> str:
