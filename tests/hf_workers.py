@@ -215,6 +215,7 @@ DDP_CASES = (
     ("loss_type", False, ["per_rank_mean"]),
     ("plain", True, ["ignored_tokens_counted"]),
     ("kwargs", False, ["num_items_ignored"]),
+    ("unsynced", True, ["ranks_disagree"]),  # never wrapped in DDP: each rank keeps its own
 )
 
 
@@ -239,10 +240,17 @@ def ddp_cases() -> list[dict[str, Any]]:
 
     transformers.logging.set_verbosity_error()
     out = []
-    for kind, average, _ in DDP_CASES:
+    for case, average, _ in DDP_CASES:
+        kind = "loss_type" if case == "unsynced" else case
         args = dict(average_tokens_across_devices=average, gradient_accumulation_steps=2)
         model = model_for(kind)
         trainer = make_trainer(model, make_args(**args), train_dataset=examples(SIXTEEN))
+        if case == "unsynced":  # a model Accelerate never wraps: no gradient all-reduce
+            trainer.accelerator.prepare_model = lambda model, *a, **k: model
+            report = ah.audit_trainer(trainer)
+            out.append({"kind": case, "average": average, "ok": report.ok,
+                        "mistakes": report.mistakes, "text": str(report)})
+            continue
         report = ah.audit_trainer(trainer)
         fixed = ah.audit_trainer(apply_fix(report, model, trainer)) if report.fix else report
         mine = _window_batches(make_trainer(model_for(kind), make_args(**args),

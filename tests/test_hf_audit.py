@@ -285,6 +285,8 @@ def test_bad_arguments_raise_one_clear_error():
     for steps in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="steps must be a positive int"):
             ah.audit_trainer(trainer, steps=steps)
+    with pytest.raises(TypeError, match="objective must be None"):
+        ah.audit_trainer(trainer, objective="token mean")
     with pytest.raises(ValueError, match="no train_dataset"):
         ah.audit_trainer(hw.make_trainer(hw.model_for("loss_type"), train_dataset=None))
     with pytest.raises(ValueError, match="max_steps is 0"):

@@ -24,7 +24,7 @@ from .report import TrainerAuditReport
 from .state import preserved_trainer
 
 
-def _check_arguments(trainer: Any, steps: int) -> None:
+def _check_arguments(trainer: Any, steps: int, objective: Any) -> None:
     """Raise a one-line ``TypeError``/``ValueError`` for input the audit cannot run on."""
     from transformers import Trainer
 
@@ -34,6 +34,14 @@ def _check_arguments(trainer: Any, steps: int) -> None:
         )
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int (optimizer steps to audit), got {steps!r}")
+    if objective is not None and not (
+        callable(getattr(objective, "count", None)) and callable(getattr(objective, "loss_sum", None))
+    ):
+        raise TypeError(
+            "objective must be None (inferred from the model) or an accumlab Objective with "
+            "count(batch) and loss_sum(output, batch), e.g. accumlab.NextTokenLoss(); got "
+            f"{type(objective).__name__}"
+        )
     if trainer.train_dataset is None:
         raise ValueError(
             "trainer has no train_dataset: pass train_dataset= to the Trainer; the audit runs "
@@ -142,12 +150,18 @@ def audit_trainer(
     and data position are as before the call, so it can run at the top of a training
     script. Under ``torchrun`` every rank must call it; every rank gets the same report.
 
-    Raises ``TypeError``/``ValueError`` for a non-Trainer, ``steps`` < 1, no
+    Cost: ``steps`` windows of the Trainer's forward and backward passes, then one more
+    forward and backward pass per microbatch for the reference; memory: the recorded
+    microbatches and, per window, five float64 copies of the trainable gradient on the CPU
+    (the captured one and four weighting patterns), so about 40 bytes per trainable
+    parameter beside the model.
+
+    Raises ``TypeError``/``ValueError`` for a non-Trainer, a wrong ``objective``, ``steps`` < 1, no
     ``train_dataset`` or ``max_steps=0``; a job it cannot measure (meta or frozen model,
     iterable dataset, gradient checkpointing, DeepSpeed, FSDP) gets a report that says
     "not checked" and why, never ``ok``.
     """
-    _check_arguments(trainer, steps)
+    _check_arguments(trainer, steps, objective)
     reason = _not_checked_reason(trainer)
     if reason is not None:
         return TrainerAuditReport.unchecked(reason)
