@@ -273,6 +273,10 @@ def test_bf16_autocast_job_is_measured_with_the_mixed_tolerance():
     assert report.mistakes == ["ignored_tokens_counted"]
     assert report.scale == pytest.approx(TARGETS / COUNTED, abs=2e-2)
     assert "forward" not in vars(model)  # Accelerate's autocast patch is undone
+    right = ah.audit_trainer(hw.make_trainer(hw.model_for("loss_type"), hw.make_args(bf16=True)))
+    assert right.ok and 1e-5 < right.relative_error < MIXED_TOLERANCE  # bf16 forward, measured
+    wrong = ah.audit_trainer(hw.make_trainer(hw.model_for("nokw"), hw.make_args(bf16=True)))
+    assert wrong.mistakes == ["average_of_averages"]
 
 
 # -- bad input -------------------------------------------------------------------------
