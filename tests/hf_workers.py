@@ -131,6 +131,17 @@ def never_loss_func(outputs: Any, labels: Tensor, num_items_in_batch: Any = None
     return shifted_sum(outputs, labels)
 
 
+def weighted_loss_func(outputs: Any, labels: Tensor, num_items_in_batch: Any = None) -> Tensor:
+    """A custom weighting: targets at even positions count twice (not a token mean)."""
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+    per_token = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100,
+        reduction="none",
+    ).view(labels.shape[0], -1)
+    weight = 1.0 + (torch.arange(per_token.shape[1]) % 2 == 0).float()
+    return (per_token * weight).sum() / num_items_in_batch
+
+
 def make_args(out: str | None = None, **overrides: Any) -> Any:
     from transformers import TrainingArguments
 

@@ -97,6 +97,7 @@ def test_loss_type_fix_needs_a_new_trainer_and_says_so():
     ("plain", hw.twice_loss_func, ["ignored_tokens_counted", "double_division"]),
     ("loss_type", hw.twice_loss_func, ["double_division"]),
     ("loss_type", hw.never_loss_func, ["no_division"]),
+    ("loss_type", hw.weighted_loss_func, ["not_token_mean"]),  # a custom weighting
 ])
 def test_compute_loss_func(kind, func, causes):
     g = applied_gradient(hw.model_for(kind), compute_loss_func=func)
