@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import random
+import sys
 
 import hf_workers as hw
 import numpy as np
@@ -79,6 +80,19 @@ def test_the_issue_table_scale_verdict_and_fix(kind, causes):
     after = ah.audit_trainer(fixed)
     assert after.ok, str(after)
     assert after.relative_error < 1e-5
+
+
+def test_the_tested_range_holds_both_tested_releases_and_notes_others(monkeypatch):
+    from packaging.specifiers import SpecifierSet
+
+    tested = SpecifierSet(ah.TESTED_TRANSFORMERS)
+    assert "4.57.6" in tested and "5.24.0" in tested and "4.56.2" not in tested
+    trainer = hw.make_trainer(hw.model_for("loss_type"))
+    assert not any("outside the tested range" in n for n in ah.audit_trainer(trainer).notes)
+    # the module the audit imports (transformers swaps its own entry in sys.modules)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "9.0.0")
+    notes = ah.audit_trainer(trainer).notes
+    assert any("transformers 9.0.0 is outside the tested range" in n for n in notes)
 
 
 def test_loss_type_fix_needs_a_new_trainer_and_says_so():

@@ -22,16 +22,13 @@ except ImportError:
         "accumlab.hf needs Hugging Face transformers: pip install 'accumlab[hf]'"
     ) from None
 
-from .audit import audit_trainer, run_windows
+from .audit import TESTED_TRANSFORMERS, audit_trainer, run_windows
 from .capture import CapturedWindow, Microbatch, WindowRecorder
 from .diagnose import diagnose
 from .report import TrainerAuditReport
 from .state import preserved_model, preserved_trainer
 from .verdict import CAUSES, TRAINER_MISTAKES
 
-#: The transformers releases the audit is tested with (older ones count
-#: num_items_in_batch differently and lack compute_loss_func).
-TESTED_TRANSFORMERS = ">=4.57,<5.25"
 TRANSFORMERS_VERSION: str = _transformers.__version__
 
 

@@ -23,6 +23,26 @@ from .diagnose import diagnose
 from .report import TrainerAuditReport
 from .state import preserved_trainer
 
+#: The transformers releases the audit is tested with, both ends tested (4.57.6 in
+#: tests/test_hf_audit_versions.py, 5.24.0 as installed); the Trainer's
+#: num_items_in_batch counting changed between them. Outside it, reports carry a note.
+TESTED_TRANSFORMERS = ">=4.57.6,<=5.24.0"
+
+
+def _version_note() -> str | None:
+    """A note when the imported transformers lies outside :data:`TESTED_TRANSFORMERS`."""
+    import transformers
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    version = Version(transformers.__version__)
+    if Version(version.base_version) in SpecifierSet(TESTED_TRANSFORMERS):
+        return None
+    return (
+        f"transformers {transformers.__version__} is outside the tested range "
+        f"{TESTED_TRANSFORMERS}: the verdict is measured, but the fix may not apply as written"
+    )
+
 
 def _check_arguments(trainer: Any, steps: int, objective: Any) -> None:
     """Raise a one-line ``TypeError``/``ValueError`` for input the audit cannot run on."""
@@ -171,10 +191,13 @@ def audit_trainer(
     with preserved_trainer(trainer):
         windows = run_windows(trainer, steps)
         report = diagnose(windows, trainer, objective=objective)
+    note = _version_note()
+    if note is not None:
+        report.notes.append(note)
     if report.checked and len(report.windows) < asked:
         held = "the run takes" if steps < asked else "the first epoch holds"
         report.notes.append(f"{held} {len(report.windows)} windows; {asked} were asked for")
     return report
 
 
-__all__ = ["audit_trainer", "run_windows"]
+__all__ = ["TESTED_TRANSFORMERS", "audit_trainer", "run_windows"]
