@@ -343,3 +343,32 @@ def test_an_error_inside_the_audit_leaves_with_its_wrappers(tmp_path, monkeypatc
         trainer.train()
     assert "training_step" not in vars(trainer)
     assert "clip_grad_norm_" not in vars(trainer.accelerator)
+
+
+def test_gradient_checkpointing_is_audited_inside_the_run(tmp_path):
+    """audit_trainer reports gradient checkpointing as not checked (the Trainer turns it on
+    inside train()); the callback runs inside train(), on the checkpointed path: a correct
+    job with dropout is ok, a wrong one named, and both runs stay bit-identical."""
+    for loss_type, mistakes in (("ForCausalLM", []), (None, ["ignored_tokens_counted"])):
+        callback = AuditCallback()
+        trainer = trainer_for(
+            tiny_gpt2(loss_type=loss_type, dropout=0.1),
+            tmp_path,
+            [callback],
+            max_steps=2,
+            gradient_checkpointing=True,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        assert trainer.model.is_gradient_checkpointing
+        (report,) = callback.reports
+        assert report.checked and report.mistakes == mistakes, str(report)
+        plain = trainer_for(
+            tiny_gpt2(loss_type=loss_type, dropout=0.1),
+            tmp_path / "plain",
+            max_steps=2,
+            gradient_checkpointing=True,
+        )
+        plain.train()
+        assert same_weights(weights(trainer.model), weights(plain.model))
