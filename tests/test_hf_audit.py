@@ -418,3 +418,30 @@ def test_unknown_objective_is_not_checked_and_a_named_one_is_measured():
     namespace = {"model": model, "trainer": trainer, "args": trainer.args, "objective": objective}
     exec(report.fix, namespace)
     assert ah.audit_trainer(trainer, objective=objective).ok
+
+
+def test_window_recorder_records_only_open_windows_and_removes_its_wrappers():
+    trainer = hw.make_trainer(hw.model_for("loss_type"))
+    trainer.current_gradient_accumulation_steps = 1  # train() sets it per window
+    before_trainer, before_acc = dict(vars(trainer)), dict(vars(trainer.accelerator))
+    recorder = ah.WindowRecorder()
+    with recorder.install(trainer):
+        assert "training_step" in vars(trainer) and "clip_grad_norm_" in vars(trainer.accelerator)
+        with pytest.raises(RuntimeError, match="already installed"):
+            recorder.install(trainer)
+        batch = hw.collate(hw.examples()[:2])
+        trainer.training_step(trainer.model, batch, None)  # no window open: not recorded
+        assert recorder.close_window() is None and recorder.windows == []
+        recorder.open_window()
+        trainer.training_step(trainer.model, batch, torch.tensor(7))
+        batch["labels"].fill_(0)  # the recorded copy is the Trainer's input, not this tensor
+        # clipping closes the window first: the gradient recorded is the one before clipping
+        unclipped = ah.capture.flat_gradient(trainer.model)
+        trainer.accelerator.clip_grad_norm_(trainer.model.parameters(), 1e-6)
+        assert recorder.close_window() is None  # already closed by the clip
+    (window,) = recorder.windows
+    assert torch.equal(window.gradient, unclipped)
+    assert float(ah.capture.flat_gradient(trainer.model).norm()) < 1e-5  # clipped after
+    (mb,) = window.microbatches
+    assert int(mb.num_items_in_batch) == 7 and int(mb.inputs["labels"].max()) > 0
+    assert dict(vars(trainer)) == before_trainer and dict(vars(trainer.accelerator)) == before_acc
