@@ -112,6 +112,7 @@ def test_loss_type_fix_needs_a_new_trainer_and_says_so():
     ("loss_type", hw.twice_loss_func, ["double_division"]),
     ("loss_type", hw.never_loss_func, ["no_division"]),
     ("loss_type", hw.weighted_loss_func, ["not_token_mean"]),  # a custom weighting
+    ("loss_type", hw.tenth_loss_func, ["wrong_normalization"]),  # divides by 10
 ])
 def test_compute_loss_func(kind, func, causes):
     g = applied_gradient(hw.model_for(kind), compute_loss_func=func)
@@ -148,9 +149,19 @@ class MeanOverCountTrainer(transformers.Trainer):
         return (loss, outputs) if return_outputs else loss
 
 
+class ShortCountTrainer(transformers.Trainer):
+    """Overrides the count: every microbatch's first row left out of num_items_in_batch."""
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
+        missed = sum(int((b["labels"][0, 1:] != -100).sum()) for b in batches)
+        return batches, count - missed
+
+
 @pytest.mark.parametrize(("trainer_class", "causes"), [
     (SumTrainer, ["no_division"]),
     (MeanOverCountTrainer, ["double_division"]),
+    (ShortCountTrainer, ["scored_targets_missed"]),
 ])
 def test_compute_loss_override(trainer_class, causes):
     g = applied_gradient(hw.model_for("loss_type"), trainer_class=trainer_class)

@@ -78,6 +78,23 @@ trainer.compute_loss = types.MethodType(Trainer.compute_loss, trainer)
 '''
 
 
+_DROP_COUNT_OVERRIDE = '''import types
+from transformers import Trainer
+
+# drop the override of the count: the Trainer's own counts the labels
+trainer.get_batch_samples = types.MethodType(Trainer.get_batch_samples, trainer)
+'''
+
+
+def _count_overridden(trainer: Any) -> bool:
+    from transformers import Trainer
+
+    return any(
+        name in vars(trainer) or getattr(type(trainer), name, None) is not getattr(Trainer, name, None)
+        for name in ("get_batch_samples", "_get_num_items_in_batch")
+    )
+
+
 def _counts_shifted(trainer: Any) -> bool:
     """True when this Trainer counts ``num_items_in_batch`` over ``labels[:, 1:]``."""
     return bool(getattr(trainer, "_loss_shifts_labels", False))
@@ -126,11 +143,14 @@ def fix_for(
     }
     parts: list[str] = []
     needs_new = False
+    count_overridden = _count_overridden(trainer)
+    if names & {"ignored_tokens_counted", "scored_targets_missed"} and count_overridden:
+        parts.append(_DROP_COUNT_OVERRIDE)
     if names & loss_fix:
         parts.append(_objective_loss(kind, trainer))
     elif "ignored_tokens_counted" in names:
         plain_model = hasattr(trainer, "_loss_shifts_labels") and trainer.compute_loss_func is None
-        if plain_model and hasattr(model, "loss_type"):
+        if plain_model and hasattr(model, "loss_type") and not count_overridden:
             parts.append(REBUILD + _LOSS_TYPE)
             needs_new = True
         else:
