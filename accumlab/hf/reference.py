@@ -156,9 +156,6 @@ def _all_gather_objects(value: Any) -> list[Any]:
     return gathered
 
 
-_all_gather_ints = _all_gather_objects
-
-
 def _sum_across_ranks(t: Tensor) -> Tensor:
     if _world()[1] > 1:
         # gloo reduces CPU tensors; nccl needs the device: move there and back
@@ -193,8 +190,8 @@ def measure_window(
     batches = [mb.inputs for mb in window.microbatches]
     local_n = [objective.count(b) for b in batches]
     local_pre = [pre_shift_count(b) for b in batches] if isinstance(objective, NextTokenLoss) else local_n
-    per_rank_n = _all_gather_ints(local_n)
-    per_rank_pre = _all_gather_ints(local_pre)
+    per_rank_n = _all_gather_objects(local_n)
+    per_rank_pre = _all_gather_objects(local_pre)
     rank_targets = [sum(x) for x in per_rank_n]
     rank_counted = [sum(x) for x in per_rank_pre]
     total = sum(rank_targets)
