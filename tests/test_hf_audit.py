@@ -334,14 +334,6 @@ def _frozen():
     return hw.make_trainer(model)
 
 
-def _checkpointing():
-    model = hw.model_for("loss_type")
-    # transformers 5 renamed it (the old name warns); 4.x has the old name only
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable()
-    return hw.make_trainer(model)
-
-
 def _meta():
     with torch.device("meta"):
         model = hw.model_for("loss_type")
@@ -366,7 +358,6 @@ def _fsdp():
     (lambda: hw.make_trainer(hw.model_for("loss_type"), hw.make_args(max_steps=2), train_dataset=Stream()),
      "iterable dataset"),
     (_frozen, "no trainable parameter"),
-    (_checkpointing, "gradient checkpointing"),
     (_meta, "meta device"),
     (_deepspeed, "DeepSpeed"),
     (_fsdp, "FSDP"),
@@ -376,6 +367,29 @@ def test_jobs_the_audit_cannot_measure_are_not_checked_never_ok(build, why):
     assert not report.ok and not report.checked
     assert why in report.reason
     assert str(report).startswith("accumulation audit: not checked: ")
+
+
+@pytest.mark.parametrize("where", ["model", "args"])
+def test_activation_checkpointing_is_measured_with_dropout_replayed(where):
+    def job(kind):
+        model = hw.model_for(kind, dropout=0.1)
+        if where == "model":
+            # transformers 5 renamed it (the old name warns); 4.x has the old name only
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            (enable or model.gradient_checkpointing_enable)()
+            return hw.make_trainer(model)
+        from transformers import TrainingArguments
+
+        fields = TrainingArguments.__dataclass_fields__
+        name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+        return hw.make_trainer(model, hw.make_args(**{name: True}))
+
+    right = ah.audit_trainer(job("loss_type"))
+    assert right.ok and right.relative_error < 1e-5, str(right)
+    assert any("checkpointing" in n for n in right.notes)
+    wrong = ah.audit_trainer(job("plain"))
+    assert wrong.mistakes == ["ignored_tokens_counted"]
+    assert wrong.scale == pytest.approx(TARGETS / COUNTED, abs=1e-5)
 
 
 def test_a_model_without_logits_is_not_checked():

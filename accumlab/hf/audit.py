@@ -81,6 +81,23 @@ def _checkpointing(model: Any) -> bool:
     return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
+def _checkpointing_note(trainer: Any) -> str | None:
+    """What the report says about activation checkpointing, when it is asked for."""
+    if _checkpointing(trainer.model):
+        return (
+            "activation checkpointing is on: its backward recomputes each forward pass with "
+            "the same RNG state, so the replayed reference still matches"
+        )
+    args = trainer.args
+    asked = getattr(args, "activation_checkpointing", None)  # transformers 5's name
+    if asked if asked is not None else getattr(args, "gradient_checkpointing", False):
+        return (
+            "activation checkpointing is asked for in args: the Trainer turns it on inside "
+            "train(), so the audited windows ran without it (it changes memory, not the gradient)"
+        )
+    return None
+
+
 def _not_checked_reason(trainer: Any) -> str | None:
     """Why the audit cannot measure this job, or None when it can."""
     model = trainer.model
@@ -97,11 +114,6 @@ def _not_checked_reason(trainer: Any) -> str | None:
         return (
             "the training set is an iterable dataset: the examples the audit would read cannot be "
             "put back, so the run after it would miss them"
-        )
-    if _checkpointing(model) or trainer.args.gradient_checkpointing:
-        return (
-            "gradient checkpointing is on: the Trainer enables it inside train(), so the path the "
-            "audit can run before train() is not the one the run takes"
         )
     if getattr(trainer.args, "n_gpu", 1) > 1:
         return "torch.nn.DataParallel (several GPUs in one process) is not audited: launch with torchrun"
@@ -178,7 +190,7 @@ def audit_trainer(
 
     Raises ``TypeError``/``ValueError`` for a non-Trainer, a wrong ``objective``, ``steps`` < 1, no
     ``train_dataset`` or ``max_steps=0``; a job it cannot measure (meta or frozen model,
-    iterable dataset, gradient checkpointing, DeepSpeed, FSDP) gets a report that says
+    iterable dataset, DeepSpeed, FSDP, DataParallel) gets a report that says
     "not checked" and why, never ``ok``.
     """
     _check_arguments(trainer, steps, objective)
@@ -191,9 +203,9 @@ def audit_trainer(
     with preserved_trainer(trainer):
         windows = run_windows(trainer, steps)
         report = diagnose(windows, trainer, objective=objective)
-    note = _version_note()
-    if note is not None:
-        report.notes.append(note)
+    for note in (_version_note(), _checkpointing_note(trainer)):
+        if note is not None:
+            report.notes.append(note)
     if report.checked and len(report.windows) < asked:
         held = "the run takes" if steps < asked else "the first epoch holds"
         report.notes.append(f"{held} {len(report.windows)} windows; {asked} were asked for")
