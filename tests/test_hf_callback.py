@@ -346,9 +346,9 @@ def test_an_error_inside_the_audit_leaves_with_its_wrappers(tmp_path, monkeypatc
 
 
 def test_gradient_checkpointing_is_audited_inside_the_run(tmp_path):
-    """audit_trainer reports gradient checkpointing as not checked (the Trainer turns it on
-    inside train()); the callback runs inside train(), on the checkpointed path: a correct
-    job with dropout is ok, a wrong one named, and both runs stay bit-identical."""
+    """The Trainer turns gradient checkpointing on inside train(); the callback runs there,
+    on the checkpointed path: a correct job with dropout is ok, a wrong one named, and both
+    runs stay bit-identical to runs without the callback."""
     for loss_type, mistakes in (("ForCausalLM", []), (None, ["ignored_tokens_counted"])):
         callback = AuditCallback()
         trainer = trainer_for(

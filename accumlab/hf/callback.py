@@ -67,9 +67,8 @@ class AuditCallback(TrainerCallback):
 
     A job the audit cannot measure (DeepSpeed, FSDP, a frozen model, several GPUs in one
     process, an objective it cannot infer) gets an :class:`AccumulationWarning` saying
-    "not checked" and why, never an error and never an ok. Gradient checkpointing, which
-    the Trainer turns on inside ``train()`` (so ``audit_trainer`` cannot check it), is
-    audited: the callback runs on the checkpointed path. ``callback.reports`` holds one
+    "not checked" and why, never an error and never an ok. Gradient (activation)
+    checkpointing is audited on the checkpointed path the run takes. ``callback.reports`` holds one
     :class:`~accumlab.hf.report.TrainerAuditReport` per audited update of the last
     ``train()`` call, in order.
     """
