@@ -84,7 +84,7 @@ $(VENV)/.installed-core: pyproject.toml $(VENV)/.installed-torch
 	@touch $@
 
 $(VENV)/.installed-lab: $(VENV)/.installed-core
-	@echo "installing JupyterLab ..."
+	@echo "installing JupyterLab and Hugging Face transformers (lesson 08 runs a Trainer) ..."
 	$(PIP) -e ".[lab]"
 	@touch $@
 
@@ -118,10 +118,21 @@ restore:
 check: $(VENV)/.installed-core
 	@$(TIMED) "smoke check" $(BIN)/accumlab env --check
 
+# A 2025 transformers beside the newest, for tests/test_hf_audit_versions.py (the Trainer
+# counted num_items_in_batch differently then): installed into its own folder, never into
+# the environment; only that test puts it on PYTHONPATH, in a subprocess.
+HF_OLD := 4.57.6
+HF_OLD_DIR := $(VENV)/hf-transformers-$(HF_OLD)
+$(HF_OLD_DIR)/.installed: | $(VENV)/.installed-dev
+	@echo "installing transformers $(HF_OLD) into $(HF_OLD_DIR) for the transformers-version test ..."
+	$(PIP) --no-deps --target $(HF_OLD_DIR) "transformers==$(HF_OLD)" \
+	  "huggingface_hub>=0.34,<1.0" "tokenizers>=0.22,<=0.23.0"
+	@touch $@
+
 lint: $(VENV)/.installed-dev
 	@$(TIMED) lint $(BIN)/ruff check .
 
-unit: $(VENV)/.installed-dev
+unit: $(VENV)/.installed-dev $(HF_OLD_DIR)/.installed
 	@$(TIMED) "unit tests" env $(TEST_ENV) $(BIN)/python -m pytest -q tests
 
 nbval: $(VENV)/.installed-dev
@@ -163,7 +174,7 @@ site: $(VENV)/.installed-site
 
 # Ratios measured side by side in one run; see benchmarks/README.md.
 bench: $(VENV)/.installed-dev
-	for b in loop_overhead precision_cost memory_peak ddp_no_sync loss_memory fsdp2_sync chunked_loss; do \
+	for b in loop_overhead precision_cost memory_peak ddp_no_sync loss_memory fsdp2_sync chunked_loss hf_audit_cost; do \
 	  $(TEST_ENV) $(BIN)/python benchmarks/$$b.py || exit 1; done
 
 # accumlab beside Hugging Face Accelerate: installs the optional `peers` extra first.

@@ -14,7 +14,7 @@ Screenshots go to ``--shots`` (default /tmp/learner-run). Not part of ``make tes
 needs Chromium and Playwright (``apt-get install chromium``, ``pip install playwright``)
 and takes several minutes.
 
-    .venv/bin/python tools/check_learner_run.py            # all eight lessons
+    .venv/bin/python tools/check_learner_run.py            # every lesson
     .venv/bin/python tools/check_learner_run.py 00 07      # some
 """
 

@@ -1,0 +1,215 @@
+"""``audit_trainer``: run a Trainer's own training path for a few windows, measure, restore.
+
+The Trainer's pieces run as its training loop calls them: ``get_train_dataloader`` (its
+sampler, collator and, under data parallelism, Accelerate's sharding),
+``get_batch_samples`` (its ``num_items_in_batch``), and ``training_step`` under
+``accelerator.no_sync`` for every microbatch but a window's last (its ``compute_loss``,
+``compute_loss_func``, division by the accumulation steps, autocast and the DDP gradient
+sync). A subclass's overrides of any of them run. The optimizer, the scheduler, clipping
+and callbacks are never called; the weights stay at their starting values for every
+audited window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from torch.utils.data import IterableDataset
+
+from ..objectives import Objective
+from .capture import CapturedWindow, WindowRecorder
+from .diagnose import diagnose
+from .report import TrainerAuditReport
+from .state import preserved_trainer
+
+#: The transformers releases the audit is tested with, both ends tested (4.57.6 in
+#: tests/test_hf_audit_versions.py, 5.24.0 as installed); the Trainer's
+#: num_items_in_batch counting changed between them. Outside it, reports carry a note.
+TESTED_TRANSFORMERS = ">=4.57.6,<=5.24.0"
+
+
+def _version_note() -> str | None:
+    """A note when the imported transformers lies outside :data:`TESTED_TRANSFORMERS`."""
+    import transformers
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    version = Version(transformers.__version__)
+    if Version(version.base_version) in SpecifierSet(TESTED_TRANSFORMERS):
+        return None
+    return (
+        f"transformers {transformers.__version__} is outside the tested range "
+        f"{TESTED_TRANSFORMERS}: the verdict is measured, but the fix may not apply as written"
+    )
+
+
+def _check_arguments(trainer: Any, steps: int, objective: Any) -> None:
+    """Raise a one-line ``TypeError``/``ValueError`` for input the audit cannot run on."""
+    from transformers import Trainer
+
+    if not isinstance(trainer, Trainer):
+        raise TypeError(
+            f"trainer must be a transformers.Trainer (or a subclass), got {type(trainer).__name__}"
+        )
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int (optimizer steps to audit), got {steps!r}")
+    if objective is not None and not (
+        callable(getattr(objective, "count", None)) and callable(getattr(objective, "loss_sum", None))
+    ):
+        raise TypeError(
+            "objective must be None (inferred from the model) or an accumlab Objective with "
+            "count(batch) and loss_sum(output, batch), e.g. accumlab.NextTokenLoss(); got "
+            f"{type(objective).__name__}"
+        )
+    if trainer.train_dataset is None:
+        raise ValueError(
+            "trainer has no train_dataset: pass train_dataset= to the Trainer; the audit runs "
+            "the Trainer's own training data"
+        )
+    if trainer.args.max_steps == 0:
+        raise ValueError(
+            "trainer.args.max_steps is 0: the Trainer would take no optimizer step, so there is "
+            "nothing to audit; set max_steps to -1 (epochs decide) or a positive number"
+        )
+
+
+def _checkpointing(model: Any) -> bool:
+    """Whether activation (gradient) checkpointing is on, under either attribute name."""
+    if hasattr(model, "is_activation_checkpointing"):  # transformers 5.x; the old name warns
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
+def _checkpointing_note(trainer: Any) -> str | None:
+    """What the report says about activation checkpointing, when it is asked for."""
+    if _checkpointing(trainer.model):
+        return (
+            "activation checkpointing is on: its backward recomputes each forward pass with "
+            "the same RNG state, so the replayed reference still matches"
+        )
+    args = trainer.args
+    asked = getattr(args, "activation_checkpointing", None)  # transformers 5's name
+    if asked if asked is not None else getattr(args, "gradient_checkpointing", False):
+        return (
+            "activation checkpointing is asked for in args: the Trainer turns it on inside "
+            "train(), so the audited windows ran without it (it changes memory, not the gradient)"
+        )
+    return None
+
+
+def _not_checked_reason(trainer: Any) -> str | None:
+    """Why the audit cannot measure this job, or None when it can."""
+    model = trainer.model
+    params = list(model.parameters())
+    if any(p.device.type == "meta" for p in params):
+        return "the model has parameters on the meta device (no values to train): load its weights first"
+    if not any(p.requires_grad for p in params):
+        return "the model has no trainable parameter (every requires_grad is False): nothing to accumulate"
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return "DeepSpeed owns the gradient (partitioned, scaled inside its engine): the audit cannot read it"
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
+        return "FSDP shards the gradient inside Accelerate's plugin: the audit cannot read it"
+    if isinstance(trainer.train_dataset, IterableDataset):
+        return (
+            "the training set is an iterable dataset: the examples the audit would read cannot be "
+            "put back, so the run after it would miss them"
+        )
+    if getattr(trainer.args, "n_gpu", 1) > 1:
+        return "torch.nn.DataParallel (several GPUs in one process) is not audited: launch with torchrun"
+    return None
+
+
+def _training_model(trainer: Any) -> Any:
+    """The model ``training_step`` gets: the wrapped one when train() already ran, else the
+    model prepared by Accelerate (DDP under torchrun, autocast under bf16/fp16); the
+    caller's :func:`preserved_trainer` undoes what preparing changes."""
+    if trainer.model_wrapped is not trainer.model:
+        return trainer.model_wrapped
+    return trainer.accelerator.prepare_model(trainer.model)
+
+
+def run_windows(trainer: Any, steps: int) -> list[CapturedWindow]:
+    """Run the first ``steps`` windows of the Trainer's training path and capture them.
+
+    Call it inside :func:`accumlab.hf.state.preserved_trainer`: it changes the model's
+    gradients, modes and the Trainer's attributes, and reads the RNG.
+    """
+    model = _training_model(trainer)
+    accumulation = trainer.args.gradient_accumulation_steps
+    loader = trainer.get_train_dataloader()
+    iterator = iter(loader)
+    recorder = WindowRecorder()
+    try:
+        with recorder.install(trainer):
+            for _ in range(steps):
+                batches, num_items = trainer.get_batch_samples(iterator, accumulation, trainer.args.device)
+                if not batches:
+                    break
+                trainer.current_gradient_accumulation_steps = len(batches)
+                recorder.open_window()
+                for i, inputs in enumerate(batches):
+                    last = i == len(batches) - 1
+                    trainer.accelerator.gradient_state._set_sync_gradients(last)
+                    sync = contextlib.nullcontext() if last else trainer.accelerator.no_sync(model)
+                    with sync:
+                        trainer.training_step(model, inputs, num_items)
+                recorder.close_window(trainer.model)
+                trainer.model.zero_grad(set_to_none=True)
+    finally:
+        close = getattr(iterator, "close", None)
+        if callable(close):
+            close()
+        del iterator
+    return recorder.windows
+
+
+def audit_trainer(
+    trainer: Any, *, steps: int = 1, objective: Objective | None = None
+) -> TrainerAuditReport:
+    """Check that ``trainer``'s accumulation gives the full-batch gradient, as configured.
+
+    Runs the Trainer's own training path (see the module docstring) for the first
+    ``steps`` windows (optimizer steps) of its training data, takes each window's gradient
+    after the data-parallel sync and before clipping, and compares it with the reference:
+    the same examples, all ranks' together, as one batch under the objective the job means
+    (token mean over shifted targets for a causal LM, example mean for one label per
+    example; ``objective=`` to say it). Returns a
+    :class:`~accumlab.hf.report.TrainerAuditReport`: ``ok``, ``mistakes``, ``scale``,
+    ``relative_error``, ``fix`` and a readable ``str()``.
+
+    Afterwards the trainer, model, optimizer, scheduler, RNG states (Python, NumPy, torch)
+    and data position are as before the call, so it can run at the top of a training
+    script. Under ``torchrun`` every rank must call it; every rank gets the same report.
+
+    Cost: ``steps`` windows of the Trainer's forward and backward passes, then one more
+    forward and backward pass per microbatch for the reference; memory: the recorded
+    microbatches and, per window, five float64 copies of the trainable gradient on the CPU
+    (the captured one and four weighting patterns), so about 40 bytes per trainable
+    parameter beside the model.
+
+    Raises ``TypeError``/``ValueError`` for a non-Trainer, a wrong ``objective``, ``steps`` < 1, no
+    ``train_dataset`` or ``max_steps=0``; a job it cannot measure (meta or frozen model,
+    iterable dataset, DeepSpeed, FSDP, DataParallel) gets a report that says
+    "not checked" and why, never ``ok``.
+    """
+    _check_arguments(trainer, steps, objective)
+    reason = _not_checked_reason(trainer)
+    if reason is not None:
+        return TrainerAuditReport.unchecked(reason)
+    asked = steps
+    if trainer.args.max_steps > 0:  # the run itself takes no more updates than this
+        steps = min(steps, trainer.args.max_steps)
+    with preserved_trainer(trainer):
+        windows = run_windows(trainer, steps)
+        report = diagnose(windows, trainer, objective=objective)
+    for note in (_version_note(), _checkpointing_note(trainer)):
+        if note is not None:
+            report.notes.append(note)
+    if report.checked and len(report.windows) < asked:
+        held = "the run takes" if steps < asked else "the first epoch holds"
+        report.notes.append(f"{held} {len(report.windows)} windows; {asked} were asked for")
+    return report
+
+
+__all__ = ["TESTED_TRANSFORMERS", "audit_trainer", "run_windows"]

@@ -1,0 +1,183 @@
+"""``AuditCallback``: check the first updates of a real ``Trainer`` run, on its real data.
+
+``Trainer(..., callbacks=[AuditCallback()])`` audits the first ``steps`` optimizer steps
+of each ``trainer.train()`` call. For each, a :class:`~accumlab.hf.capture.WindowRecorder`
+records the microbatches the Trainer trains on (inputs, ``num_items_in_batch``, random
+state) and the gradient after the window's last backward pass and the data-parallel
+sync, before clipping; then, at ``on_pre_optimizer_step`` (before ``optimizer.step()``),
+:func:`~accumlab.hf.diagnose.diagnose` compares it with the reference, the same examples
+as one batch under the objective the job means, and names what differs. With
+``on_mistake="raise"`` a wrong gradient stops the run right there, before the update is
+applied; with ``"warn"`` the report is a warning and the run goes on.
+
+Costs: an audited update runs one extra forward and backward pass over its examples (the
+reference), keeps a copy of its inputs and a float64 copy of the gradient until it is
+judged. Once the audited updates are done the recorder is removed: ``training_step`` and
+``clip_grad_norm_`` are the Trainer's own again, and the run continues exactly as it
+would have without the callback (the reference replays each microbatch's random state,
+so dropout draws the same masks, and the gradients, buffers, modes and random states
+are put back as they were).
+
+A ``TrainerCallback`` is handed the model, optimizer and scheduler but not the trainer,
+whose ``training_step`` and accelerator the recorder wraps: the callback finds the
+trainer as the ``self`` of ``train()``'s frame on the call stack of ``on_train_begin``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Literal
+
+from transformers import Trainer, TrainerCallback
+
+from ..objectives import Objective
+from .capture import WindowRecorder
+from .diagnose import diagnose
+from .report import TrainerAuditReport
+
+ON_MISTAKE = ("warn", "raise")
+
+
+class AccumulationWarning(UserWarning):
+    """An audited update of a ``Trainer`` run does not apply the full-batch gradient, or
+    could not be checked; the message is the audit's report."""
+
+
+class AccumulationError(RuntimeError):
+    """Raised by ``AuditCallback(on_mistake="raise")`` before a wrong update is applied;
+    ``.report`` holds the :class:`~accumlab.hf.report.TrainerAuditReport`."""
+
+    def __init__(self, report: TrainerAuditReport) -> None:
+        super().__init__(str(report))
+        self.report = report
+
+
+class AuditCallback(TrainerCallback):
+    """Check the first ``steps`` optimizer steps of a ``Trainer`` run (see the module doc).
+
+    ``steps``: how many optimizer steps (updates) of each ``trainer.train()`` call to audit,
+    from its first. ``on_mistake``: ``"warn"`` (an :class:`AccumulationWarning` carrying the
+    report; the run goes on) or ``"raise"`` (an :class:`AccumulationError` out of
+    ``trainer.train()`` before the first wrong update is applied: the weights, the
+    optimizer's state and the scheduler are as they were before that update).
+    ``objective``: the reference objective, None to infer it from the model and labels
+    (token mean over shifted targets for a causal LM, example mean for one label per
+    example), as in :func:`accumlab.hf.audit_trainer`.
+
+    A job the audit cannot measure (DeepSpeed, FSDP, a frozen model, several GPUs in one
+    process, an objective it cannot infer) gets an :class:`AccumulationWarning` saying
+    "not checked" and why, never an error and never an ok. Gradient (activation)
+    checkpointing is audited on the checkpointed path the run takes. ``callback.reports`` holds one
+    :class:`~accumlab.hf.report.TrainerAuditReport` per audited update of the last
+    ``train()`` call, in order.
+    """
+
+    def __init__(
+        self,
+        steps: int = 1,
+        on_mistake: Literal["warn", "raise"] = "warn",
+        *,
+        objective: Objective | None = None,
+    ) -> None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(
+                f"steps is the number of optimizer steps to audit, a positive int; got {steps!r}"
+            )
+        if on_mistake not in ON_MISTAKE:
+            raise ValueError(f"on_mistake must be 'warn' or 'raise', got {on_mistake!r}")
+        self.steps = steps
+        self.on_mistake = on_mistake
+        self.objective = objective
+        self.reports: list[TrainerAuditReport] = []
+        self._trainer: Trainer | None = None
+        self._recorder: WindowRecorder | None = None
+        self._left = 0
+
+    # -- the Trainer's events --------------------------------------------------------------
+
+    def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self._stop()  # a previous train() that ended in an exception
+        self._trainer = _calling_trainer()
+        self.reports = []
+        reason = _unmeasurable(self._trainer)
+        if reason is not None:
+            self._judge(TrainerAuditReport.unchecked(reason))
+            return
+        self._left = self.steps
+        self._recorder = WindowRecorder()
+        self._recorder.install(self._trainer)  # removed by _stop()
+
+    def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if self._recorder is not None:
+            self._recorder.open_window()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        recorder, trainer = self._recorder, self._trainer
+        if recorder is None or trainer is None:
+            return
+        recorder.close_window(trainer.model)  # a no-op when clipping already closed it
+        windows, recorder.windows = recorder.windows, []
+        self._left -= 1
+        if self._left == 0:
+            self._stop()
+        try:
+            report = diagnose(windows, trainer, objective=self.objective)
+        except BaseException:
+            self._stop()  # the error leaves train(): take the wrappers out with it
+            raise
+        self._judge(report)
+
+    def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self._stop()  # a run with fewer updates than `steps`
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _judge(self, report: TrainerAuditReport) -> None:
+        self.reports.append(report)
+        if report.ok:
+            return
+        if report.checked and self.on_mistake == "raise":
+            self._stop()
+            raise AccumulationError(report)
+        # stacklevel: the warning points at the Trainer's loop rather than this file
+        warnings.warn(str(report), AccumulationWarning, stacklevel=4)
+
+    def _stop(self) -> None:
+        if self._recorder is not None:
+            self._recorder.remove()
+            self._recorder = None
+
+
+def _calling_trainer() -> Trainer:
+    """The ``Trainer`` whose ``train()`` fired this event: the ``self`` of a frame further
+    up the stack (callbacks are not handed the trainer)."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, Trainer):
+                return candidate
+            frame = frame.f_back
+    finally:
+        del frame  # no reference cycle through the frames
+    raise RuntimeError(
+        "AuditCallback runs inside trainer.train(): pass it as Trainer(..., "
+        "callbacks=[AuditCallback()]) or trainer.add_callback(AuditCallback())"
+    )
+
+
+def _unmeasurable(trainer: Trainer) -> str | None:
+    """Why the audit cannot measure this run's gradient, or None when it can."""
+    if not any(p.requires_grad for p in trainer.model.parameters()):
+        return "the model has no trainable parameter (every requires_grad is False)"
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return "DeepSpeed owns the gradient (partitioned, scaled inside its engine)"
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
+        return "FSDP shards the gradient inside Accelerate's plugin"
+    if getattr(trainer.args, "n_gpu", 1) > 1:
+        return "torch.nn.DataParallel (several GPUs in one process) is not audited: use torchrun"
+    return None
+
+
+__all__ = ["AccumulationError", "AccumulationWarning", "AuditCallback"]

@@ -1,0 +1,201 @@
+"""From a window's measurements to named causes, with the evidence for each.
+
+The vocabulary extends :data:`accumlab.checks.MISTAKES` (``double_division``,
+``average_of_averages``, ``ignored_tokens_counted``) with names for what only a framework
+job shows: ``scored_targets_missed``, ``num_items_ignored``, ``per_rank_mean``,
+``no_division``, ``wrong_normalization``, ``not_token_mean`` and ``ranks_disagree``.
+
+:func:`name_causes` reads the pattern fits of :class:`~accumlab.hf.reference.WindowMeasure`:
+the pattern whose residual is within ``match`` explains the *structure* of the captured
+gradient (which examples weigh how much relative to one another), and its fitted constant
+explains the *size* (which count the loss was divided by). Constants are compared with a
+relative tolerance ``match`` too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..checks import MISTAKES as LOOP_MISTAKES
+from .reference import WindowMeasure, same_on_every_rank
+
+#: Every name ``TrainerAuditReport.mistakes`` can hold, in the order they are reported.
+TRAINER_MISTAKES: tuple[str, ...] = (
+    "ignored_tokens_counted",
+    "scored_targets_missed",
+    "num_items_ignored",
+    "average_of_averages",
+    "per_rank_mean",
+    "double_division",
+    "no_division",
+    "wrong_normalization",
+    "not_token_mean",
+    "ranks_disagree",
+)
+assert {"ignored_tokens_counted", "average_of_averages", "double_division"} <= set(LOOP_MISTAKES)
+
+#: What each name means, in one sentence a person reads.
+CAUSES: dict[str, str] = {
+    "ignored_tokens_counted": (
+        "the loss is divided by a count that includes labels the loss never scores "
+        "(num_items_in_batch counted over labels before the causal shift)"
+    ),
+    "scored_targets_missed": "the loss is divided by a count that misses targets the loss scores",
+    "num_items_ignored": (
+        "the model accepts num_items_in_batch but ignores it and returns its own mean per "
+        "microbatch, and the Trainer, trusting it, no longer divides by the accumulation "
+        "steps: the gradient is about A times too large and weights targets by their "
+        "microbatch"
+    ),
+    "average_of_averages": (
+        "each microbatch's loss is its own mean, divided by the accumulation steps: a target "
+        "in a short microbatch weighs more than one in a long microbatch"
+    ),
+    "per_rank_mean": (
+        "each data-parallel rank divides by its own target count and the ranks' gradients "
+        "are averaged: a target on a rank with fewer targets weighs more"
+    ),
+    "double_division": "the loss is divided twice: by the window's count and again (by A or by a count)",
+    "no_division": "the loss sums are never divided by the window's count",
+    "wrong_normalization": "every target weighs the same, but the loss is divided by a count the audit cannot name",
+    "not_token_mean": (
+        "the gradient is no weighting of the objective's per-microbatch gradients: the loss "
+        "is not the audited mean (label smoothing, a custom weighting, a different loss)"
+    ),
+    "ranks_disagree": "the data-parallel ranks hold different gradients after the sync",
+}
+
+
+@dataclass
+class Finding:
+    """The causes found in one window, each with its evidence (a sentence with numbers)."""
+
+    mistakes: list[str]
+    evidence: dict[str, str]
+
+
+def _near(value: float, target: float, tol: float) -> bool:
+    return target != 0 and abs(value / target - 1.0) <= tol
+
+
+def name_causes(m: WindowMeasure, *, ok_tol: float, match: float) -> Finding:
+    """The causes that explain window ``m``; empty when its relative error is within ``ok_tol``.
+
+    Every pattern whose fit is within ``match`` is tried, in the order per target, per
+    rank, per rank counted before the shift, per microbatch; the first whose constant is
+    a known divisor names the cause (when the data cannot tell patterns apart, e.g. equal
+    microbatch counts, the constant does). A per-target fit with an unknown divisor is
+    ``wrong_normalization``; no fit at all is ``not_token_mean``.
+    """
+    found: dict[str, str] = {}
+    if m.rank_spread > ok_tol:
+        found["ranks_disagree"] = (
+            f"rank gradients differ from their mean by up to {m.rank_spread:.2e} (relative): "
+            "the model is not synchronised across ranks (is it wrapped in DDP?)"
+        )
+    if m.relative_error <= ok_tol:
+        return _ordered(found)
+    fits = {k: f for k, f in m.fits.items() if f.residual <= match}
+    if m.ranks == 1:  # a per-rank mean is the per-target pattern itself
+        fits = {k: f for k, f in fits.items() if k not in ("rank", "rank_pre")}
+    namers = {"token": _token, "rank": _rank, "rank_pre": _rank, "microbatch": _microbatch}
+    for pattern in ("token", "rank", "rank_pre", "microbatch"):
+        if pattern in fits:
+            named = namers[pattern](m, pattern, fits[pattern].constant, match)
+            if named:
+                found.update(named)
+                return _ordered(found)
+    if "token" in fits:
+        found["wrong_normalization"] = (
+            f"every {m.unit} weighs the same but the divisor is {1.0 / fits['token'].constant:.4g}, "
+            f"not the {m.targets} {m.unit}s"
+        )
+    else:
+        best_residual = min((f.residual for f in m.fits.values()), default=float("nan"))
+        found["not_token_mean"] = (
+            f"no weighting of the per-microbatch gradients explains it (best residual "
+            f"{best_residual:.2e}, tolerance {match:.0e}); measured scale {m.scale:.4f}, relative "
+            f"error {m.relative_error:.2e}"
+        )
+    return _ordered(found)
+
+
+def _token(m: WindowMeasure, pattern: str, constant: float, match: float) -> dict[str, str]:
+    """Every target weighs the same: name the divisor (empty when it is unknown)."""
+    a, d, n, n_pre, unit = m.microbatches, m.ranks, m.targets, m.counted, m.unit
+    divisor = 1.0 / constant
+    count = m.trainer_count if same_on_every_rank(m.rank_trainer_counts) else None
+    if _near(divisor, n_pre, match) and n_pre != n:
+        return {"ignored_tokens_counted": (
+            f"the gradient is the correct one times {n / n_pre:.4f} = {n}/{n_pre}: "
+            f"divided by {n_pre} counted labels where {n} {unit}s are scored"
+        )}
+    if _near(divisor, a * n, match) or _near(divisor, a * n_pre, match):
+        out = {"double_division": f"divided by {divisor:.1f} = A x count (A = {a}, {n} {unit}s scored)"}
+        if _near(divisor, a * n_pre, match) and n_pre != n:
+            out["ignored_tokens_counted"] = f"the count is the {n_pre} labels before the shift, not the {n} {unit}s"
+        return out
+    if any(_near(divisor, x, match) for x in (1.0, 1.0 / d, float(d))):
+        return {"no_division": f"the loss sums reach the gradient divided by {divisor:.3g}, not by the {n} {unit}s"}
+    if count is not None and _near(divisor, count, match):
+        name = "ignored_tokens_counted" if divisor > n else "scored_targets_missed"
+        return {name: f"divided by the Trainer's num_items_in_batch = {count:g} where {n} {unit}s are scored"}
+    return {}
+
+
+def _rank(m: WindowMeasure, pattern: str, constant: float, match: float) -> dict[str, str]:
+    """Each rank divides by its own count: a per-rank mean (empty for an unknown constant)."""
+    if not _near(constant, 1.0 / m.ranks, match):
+        return {}
+    per_rank = m.rank_targets if pattern == "rank" else m.rank_counted
+    out = {"per_rank_mean": (
+        f"each rank divides by its own count ({per_rank} by rank) instead of the {m.targets} "
+        f"{m.unit}s of all {m.ranks} ranks"
+    )}
+    if pattern == "rank_pre":
+        out["ignored_tokens_counted"] = (
+            f"the per-rank counts {m.rank_counted} are labels before the shift; the ranks score {m.rank_targets}"
+        )
+    return out
+
+
+def _microbatch(m: WindowMeasure, pattern: str, constant: float, match: float) -> dict[str, str]:
+    """Each microbatch is its own mean: name what multiplies the means."""
+    a, d, n, c = m.microbatches, m.ranks, m.targets, constant
+    sizes = "; ".join(str(x) for x in m.microbatch_targets)
+    if _near(c, 1.0 / (a * d), match):
+        return {"average_of_averages": f"each microbatch's mean over its own {m.unit}s ({sizes}), divided by A = {a}"}
+    if _near(c, 1.0, match) or _near(c, 1.0 / d, match):
+        return {"num_items_ignored": (
+            f"each microbatch's mean over its own {m.unit}s ({sizes}), summed over A = {a} "
+            f"microbatches: {m.scale:.3g} times the correct gradient"
+        )}
+    if any(_near(c * n, x, match) for x in (1.0, float(d), 1.0 / d)):
+        return {"double_division": f"each microbatch's mean ({sizes}) divided again by the window's {n} {m.unit}s"}
+    return {"average_of_averages": f"each microbatch's mean over its own {m.unit}s ({sizes}), times {c:.4g}"}
+
+
+def _ordered(found: dict[str, str]) -> Finding:
+    names = [k for k in TRAINER_MISTAKES if k in found]
+    return Finding(names, {k: found[k] for k in names})
+
+
+def blind_spots(m: WindowMeasure, ok_tol: float) -> list[str]:
+    """What this window's data cannot tell apart from a correct job (said when ok)."""
+    notes = []
+    flat = [x for rank in m.microbatch_targets for x in rank]
+    if same_on_every_rank(flat) and len(flat) > 1:
+        notes.append(
+            f"every microbatch has the same {m.unit} count, so a mean per microbatch would "
+            "pass too: audit a window with uneven lengths to rule it out"
+        )
+    if m.ranks > 1 and same_on_every_rank(m.rank_targets):
+        notes.append(
+            f"every rank has the same {m.unit} count, so per-rank means would pass too"
+        )
+    if m.unit == "target" and m.counted == m.targets:
+        notes.append("no label before the shift is unscored here, so counting before the shift would pass too")
+    return notes
+
+
+__all__ = ["CAUSES", "TRAINER_MISTAKES", "Finding", "blind_spots", "name_causes"]
