@@ -229,7 +229,7 @@ SIXTEEN = LENGTHS + (12, 2, 8, 5, 9, 3, 11, 4)  # 16 examples: 2 ranks x 2 micro
 DDP_CASES = (
     ("loss_type", True, []),
     ("loss_type", False, ["per_rank_mean"]),
-    ("plain", True, ["ignored_tokens_counted"]),
+    ("plain", True, ["count_before_shift"]),
     ("kwargs", False, ["num_items_ignored"]),
     ("unsynced", True, ["ranks_disagree"]),  # never wrapped in DDP: each rank keeps its own
 )

@@ -39,7 +39,7 @@ apply_fix = hw.apply_fix
 
 
 ROWS = [  # model as passed, the named causes
-    ("plain", ["ignored_tokens_counted"]),
+    ("plain", ["count_before_shift"]),
     ("loss_type", []),
     ("kwargs", ["num_items_ignored"]),
     ("nokw", ["average_of_averages"]),
@@ -107,8 +107,8 @@ def test_loss_type_fix_needs_a_new_trainer_and_says_so():
 
 
 @pytest.mark.parametrize(("kind", "func", "causes"), [
-    ("plain", hw.correct_loss_func, ["ignored_tokens_counted"]),  # count before the shift
-    ("plain", hw.twice_loss_func, ["ignored_tokens_counted", "double_division"]),
+    ("plain", hw.correct_loss_func, ["count_before_shift"]),  # count before the shift
+    ("plain", hw.twice_loss_func, ["count_before_shift", "double_division"]),
     ("loss_type", hw.twice_loss_func, ["double_division"]),
     ("loss_type", hw.never_loss_func, ["no_division"]),
     ("loss_type", hw.weighted_loss_func, ["not_token_mean"]),  # a custom weighting
@@ -195,7 +195,7 @@ def test_dropout_is_replayed_so_a_correct_job_is_ok_with_dropout_on():
     assert report.relative_error < 1e-5
     # and a wrong job with dropout on is still named
     report = ah.audit_trainer(hw.make_trainer(hw.model_for("plain", dropout=0.1)))
-    assert report.mistakes == ["ignored_tokens_counted"]
+    assert report.mistakes == ["count_before_shift"]
     assert report.scale == pytest.approx(TARGETS / COUNTED, abs=1e-5)
 
 
@@ -296,7 +296,7 @@ def test_bf16_autocast_job_is_measured_with_the_mixed_tolerance():
     model = hw.model_for("plain")
     report = ah.audit_trainer(hw.make_trainer(model, hw.make_args(bf16=True)))
     assert report.checked and report.tolerance == MIXED_TOLERANCE
-    assert report.mistakes == ["ignored_tokens_counted"]
+    assert report.mistakes == ["count_before_shift"]
     assert report.scale == pytest.approx(TARGETS / COUNTED, abs=2e-2)
     assert "forward" not in vars(model)  # Accelerate's autocast patch is undone
     right = ah.audit_trainer(hw.make_trainer(hw.model_for("loss_type"), hw.make_args(bf16=True)))
@@ -388,7 +388,7 @@ def test_activation_checkpointing_is_measured_with_dropout_replayed(where):
     assert right.ok and right.relative_error < 1e-5, str(right)
     assert any("checkpointing" in n for n in right.notes)
     wrong = ah.audit_trainer(job("plain"))
-    assert wrong.mistakes == ["ignored_tokens_counted"]
+    assert wrong.mistakes == ["count_before_shift"]
     assert wrong.scale == pytest.approx(TARGETS / COUNTED, abs=1e-5)
 
 

@@ -25,11 +25,11 @@ FOLDER = Path(os.environ.get("ACCUMLAB_HF_OLD", Path(sys.prefix) / f"hf-transfor
 
 #: case -> the causes the audit names under transformers 4.57
 EXPECTED_457 = {
-    "plain": ["ignored_tokens_counted"],
-    "loss_type": ["ignored_tokens_counted"],  # 4.57 ignores loss_type when it counts
+    "plain": ["count_before_shift"],
+    "loss_type": ["count_before_shift"],  # 4.57 ignores loss_type when it counts
     "kwargs": ["num_items_ignored"],
     "nokw": ["average_of_averages"],
-    "correct_func": ["ignored_tokens_counted"],
+    "correct_func": ["count_before_shift"],
 }
 
 

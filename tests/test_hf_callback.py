@@ -138,7 +138,7 @@ def test_gpt2_from_its_config_warns_and_names_the_cause(tmp_path):
     assert not report.ok
     message = str(record[0].message)
     assert message == str(report)
-    assert report.mistakes == ["ignored_tokens_counted"]
+    assert report.mistakes == ["count_before_shift"]
     # the count includes position 0 of each row, a label no loss scores: 8 rows per window
     (window,) = report.windows
     assert window.trainer_count == window.targets + M * A
@@ -283,7 +283,7 @@ def test_two_gloo_ranks_agree_and_raise_together():
     for rank in ranks:
         good, bad = rank["loss_type"], rank["plain"]
         assert good["ok"] and good["warned"] == 0 and good["ranks"] == 2, good["text"]
-        assert bad["mistakes"] == ["ignored_tokens_counted"] and bad["warned"] == 1
+        assert bad["mistakes"] == ["count_before_shift"] and bad["warned"] == 1
         for run in (good, bad):
             assert run["same_as_plain"] and not run["wrapped_after"]
         assert rank["raise"] == {"raised": True, "untouched": True, "updates": 0}
@@ -323,7 +323,7 @@ def test_the_callback_under_transformers_4_57():
     assert result["version"] == "4.57.6"
     masked, every = result["masked"], result["every_token"]
     assert masked["ok"] and masked["warned"] == 0
-    assert every["mistakes"] == ["ignored_tokens_counted"] and every["warned"] == 1
+    assert every["mistakes"] == ["count_before_shift"] and every["warned"] == 1
     for run in (masked, every):
         assert run["same_as_plain"] and not run["wrapped_after"]
     assert result["raise"] == {"raised": True, "untouched": True, "updates": 0}
@@ -349,7 +349,7 @@ def test_gradient_checkpointing_is_audited_inside_the_run(tmp_path):
     """The Trainer turns gradient checkpointing on inside train(); the callback runs there,
     on the checkpointed path: a correct job with dropout is ok, a wrong one named, and both
     runs stay bit-identical to runs without the callback."""
-    for loss_type, mistakes in (("ForCausalLM", []), (None, ["ignored_tokens_counted"])):
+    for loss_type, mistakes in (("ForCausalLM", []), (None, ["count_before_shift"])):
         callback = AuditCallback()
         trainer = trainer_for(
             tiny_gpt2(loss_type=loss_type, dropout=0.1),

@@ -144,11 +144,12 @@ def fix_for(
     parts: list[str] = []
     needs_new = False
     count_overridden = _count_overridden(trainer)
-    if names & {"ignored_tokens_counted", "scored_targets_missed"} and count_overridden:
+    over_counted = {"count_before_shift", "ignored_tokens_counted"}
+    if names & (over_counted | {"scored_targets_missed"}) and count_overridden:
         parts.append(_DROP_COUNT_OVERRIDE)
     if names & loss_fix:
         parts.append(_objective_loss(kind, trainer))
-    elif "ignored_tokens_counted" in names:
+    elif names & over_counted:
         plain_model = hasattr(trainer, "_loss_shifts_labels") and trainer.compute_loss_func is None
         if plain_model and hasattr(model, "loss_type") and not count_overridden:
             parts.append(REBUILD + _LOSS_TYPE)

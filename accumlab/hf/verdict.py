@@ -1,7 +1,7 @@
 """From a window's measurements to named causes, with the evidence for each.
 
 The vocabulary extends :data:`accumlab.checks.MISTAKES` (``double_division``,
-``average_of_averages``, ``ignored_tokens_counted``) with names for what only a framework
+``average_of_averages``, ``count_before_shift``, ``ignored_tokens_counted``) with names for what only a framework
 job shows: ``scored_targets_missed``, ``num_items_ignored``, ``per_rank_mean``,
 ``no_division``, ``wrong_normalization``, ``not_token_mean`` and ``ranks_disagree``.
 
@@ -21,6 +21,7 @@ from .reference import WindowMeasure, same_on_every_rank
 
 #: Every name ``TrainerAuditReport.mistakes`` can hold, in the order they are reported.
 TRAINER_MISTAKES: tuple[str, ...] = (
+    "count_before_shift",
     "ignored_tokens_counted",
     "scored_targets_missed",
     "num_items_ignored",
@@ -32,13 +33,19 @@ TRAINER_MISTAKES: tuple[str, ...] = (
     "not_token_mean",
     "ranks_disagree",
 )
-assert {"ignored_tokens_counted", "average_of_averages", "double_division"} <= set(LOOP_MISTAKES)
+assert {
+    "count_before_shift", "ignored_tokens_counted", "average_of_averages", "double_division"
+} <= set(LOOP_MISTAKES)
 
 #: What each name means, in one sentence a person reads.
 CAUSES: dict[str, str] = {
+    "count_before_shift": (
+        "the loss is divided by a count that includes labels the loss never scores: "
+        "num_items_in_batch counted over the labels before the causal shift, so each row's "
+        "first label (never predicted) is counted"
+    ),
     "ignored_tokens_counted": (
-        "the loss is divided by a count that includes labels the loss never scores "
-        "(num_items_in_batch counted over labels before the causal shift)"
+        "the loss is divided by a count that includes labels the loss never scores"
     ),
     "scored_targets_missed": "the loss is divided by a count that misses targets the loss scores",
     "num_items_ignored": (
@@ -126,19 +133,24 @@ def _token(m: WindowMeasure, pattern: str, constant: float, match: float) -> dic
     divisor = 1.0 / constant
     count = m.trainer_count if same_on_every_rank(m.rank_trainer_counts) else None
     if _near(divisor, n_pre, match) and n_pre != n:
-        return {"ignored_tokens_counted": (
+        return {"count_before_shift": (
             f"the gradient is the correct one times {n / n_pre:.4f} = {n}/{n_pre}: "
             f"divided by {n_pre} counted labels where {n} {unit}s are scored"
         )}
     if _near(divisor, a * n, match) or _near(divisor, a * n_pre, match):
         out = {"double_division": f"divided by {divisor:.1f} = A x count (A = {a}, {n} {unit}s scored)"}
         if _near(divisor, a * n_pre, match) and n_pre != n:
-            out["ignored_tokens_counted"] = f"the count is the {n_pre} labels before the shift, not the {n} {unit}s"
+            out["count_before_shift"] = f"the count is the {n_pre} labels before the shift, not the {n} {unit}s"
         return out
     if any(_near(divisor, x, match) for x in (1.0, 1.0 / d, float(d))):
         return {"no_division": f"the loss sums reach the gradient divided by {divisor:.3g}, not by the {n} {unit}s"}
     if count is not None and _near(divisor, count, match):
-        name = "ignored_tokens_counted" if divisor > n else "scored_targets_missed"
+        if divisor <= n:
+            name = "scored_targets_missed"
+        elif count == n_pre:
+            name = "count_before_shift"
+        else:
+            name = "ignored_tokens_counted"
         return {name: f"divided by the Trainer's num_items_in_batch = {count:g} where {n} {unit}s are scored"}
     return {}
 
@@ -153,7 +165,7 @@ def _rank(m: WindowMeasure, pattern: str, constant: float, match: float) -> dict
         f"{m.unit}s of all {m.ranks} ranks"
     )}
     if pattern == "rank_pre":
-        out["ignored_tokens_counted"] = (
+        out["count_before_shift"] = (
             f"the per-rank counts {m.rank_counted} are labels before the shift; the ranks score {m.rank_targets}"
         )
     return out
