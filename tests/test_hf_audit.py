@@ -470,3 +470,16 @@ def test_window_recorder_records_only_open_windows_and_removes_its_wrappers():
     (mb,) = window.microbatches
     assert int(mb.num_items_in_batch) == 7 and int(mb.inputs["labels"].max()) > 0
     assert dict(vars(trainer)) == before_trainer and dict(vars(trainer.accelerator)) == before_acc
+
+
+@pytest.mark.parametrize("kind, mistakes, scale", [("loss_type", [], 1.0), ("plain", ["count_before_shift"], 47 / 55)])
+def test_a_loss_scale_is_divided_out(kind, mistakes, scale):
+    """fp16 with a GradScaler (CUDA): the Trainer's backward multiplies the loss by the
+    scale and unscales inside the clip, after the audit's snapshot. The audit divides the
+    scale out, so the verdict is the one without it (measured 1024.0 and 875.05 before).
+    On the CPU the Trainer makes no scaler: a CPU GradScaler stands in for it."""
+    trainer = hw.make_trainer(hw.model_for(kind), hw.make_args())
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    report = ah.audit_trainer(trainer)
+    assert report.mistakes == mistakes
+    assert report.scale == pytest.approx(scale, abs=1e-3)

@@ -78,7 +78,10 @@ def test_the_copies_folder_is_ignored_by_git_and_matches_every_lesson():
                              cwd=ROOT, check=False).returncode
     assert ignored == 0
     lessons = copies.course_notebooks(ROOT)
-    assert len(lessons) == 8 and lessons[0].name == "00_start_here.ipynb"
+    every = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert [p.name for p in lessons] == [p.name for p in every]
+    assert lessons[0].name == "00_start_here.ipynb"
+    assert lessons[-1].name == "08_audit_your_job.ipynb"
 
 
 def test_relative_links_resolve_from_the_copies_folder():

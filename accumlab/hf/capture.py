@@ -14,7 +14,9 @@ internal API (used by :func:`accumlab.hf.audit_trainer` and by a Trainer callbac
 - ``recorder.open_window()`` starts a window; microbatches recorded while a window is open
   belong to it (outside a window they are ignored).
 - ``recorder.close_window(model)`` snapshots the gradient now in ``model``'s trainable
-  parameters (float64 on the CPU, one flat vector) and ends the window. It is idempotent
+  parameters (float64 on the CPU, one flat vector; divided by the loss scale when the
+  Trainer's accelerator holds an enabled GradScaler, since the snapshot comes before
+  the Trainer unscales) and ends the window. It is idempotent
   per window: the clip wrapper calls it before the first clip of a sync step, and a
   callback's ``on_pre_optimizer_step`` may call it again harmlessly (with
   ``max_grad_norm=0`` there is no clip on older Trainers, so that call is the one that
@@ -117,6 +119,7 @@ class WindowRecorder:
         self.windows: list[CapturedWindow] = []
         self._open: CapturedWindow | None = None
         self._model: nn.Module | None = None
+        self._scaler: Any = None
         self._undo: list[tuple[object, str, bool, Any]] = []
 
     # -- windows ---------------------------------------------------------------------
@@ -139,6 +142,10 @@ class WindowRecorder:
         if model is None:
             raise ValueError("close_window needs the model whose gradient to snapshot")
         window.gradient = flat_gradient(model)
+        if self._scaler is not None and self._scaler.is_enabled():
+            # fp16 with a GradScaler: the gradient is still multiplied by the loss scale
+            # here (the Trainer unscales inside the clip this snapshot comes before).
+            window.gradient = window.gradient / float(self._scaler.get_scale())
         self.windows.append(window)
         return window
 
@@ -168,6 +175,7 @@ class WindowRecorder:
 
         self._patch(trainer, "training_step", training_step)
         accelerator = getattr(trainer, "accelerator", None)
+        self._scaler = getattr(accelerator, "scaler", None)
         if accelerator is not None and hasattr(accelerator, "clip_grad_norm_"):
             clip = accelerator.clip_grad_norm_
 
