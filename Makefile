@@ -118,7 +118,7 @@ restore:
 check: $(VENV)/.installed-core
 	@$(TIMED) "smoke check" $(BIN)/accumlab env --check
 
-# A 2025 transformers beside the newest, for tests/test_hf_audit_versions.py (the Trainer
+# A 2025 transformers beside the newest, for tests/hf/test_hf_audit_versions.py (the Trainer
 # counted num_items_in_batch differently then): installed into its own folder, never into
 # the environment; only that test puts it on PYTHONPATH, in a subprocess.
 HF_OLD := 4.57.6

@@ -41,8 +41,6 @@ __all__ = [
     "PhaseRecord",
     "WindowRecord",
     "format_bytes",
-    "plot_breakdown",
-    "plot_window",
 ]
 
 def format_bytes(n: int | float) -> str:
@@ -579,61 +577,6 @@ class MemoryMeter:
         torch.cuda.memory._dump_snapshot(path)
         return path
 
-    def plot(self, window: int = -1, ax: Any = None) -> Any:
-        """Plot one window's phases (see :func:`plot_window`); returns the axes."""
-        return plot_window(self.windows[window], ax=ax)
-
 
 def _unpack(t: Tensor) -> Tensor:
     return t
-
-
-# -- plots -----------------------------------------------------------------------------------
-
-
-def plot_window(window: WindowRecord, ax: Any = None) -> Any:
-    """Bars of live bytes at each phase's entry and its peak, baseline first (MiB)."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(8, 3))
-    labels = ["baseline"] + [
-        p.name if p.microbatch is None else f"{p.name[0]}{p.microbatch}" for p in window.phases
-    ]
-    start = [window.baseline_bytes] + [p.start_bytes for p in window.phases]
-    peak = [window.baseline_bytes] + [p.peak_bytes for p in window.phases]
-    mib = 2**20
-    xs = range(len(labels))
-    ax.bar(xs, [b / mib for b in peak], color="tab:orange", label="peak in phase")
-    ax.bar(xs, [b / mib for b in start], color="tab:blue", label="live at entry")
-    ax.set_xticks(list(xs), labels, rotation=0, fontsize=8)
-    ax.set_ylabel("MiB")
-    ax.set_title(f"window {window.index}: f = forward, b = backward (microbatch index)")
-    ax.legend(loc="upper left", fontsize=8)
-    return ax
-
-
-def plot_breakdown(rows: Sequence[dict[str, Any]], ax: Any = None) -> Any:
-    """Stacked bars, one per row: ``weights``, ``gradients``, ``optimizer_state`` and
-    ``activations`` (activations and temporaries) bytes under the row's ``label`` (e.g.
-    ``"m=4 × A=2"``), drawn in MiB; returns the axes."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 3.5))
-    parts = [
-        ("weights", "tab:gray", "weights"),
-        ("gradients", "tab:green", "gradients"),
-        ("optimizer_state", "tab:purple", "optimizer state"),
-        ("activations", "tab:orange", "activations and temporaries"),
-    ]
-    xs = list(range(len(rows)))
-    bottom = [0.0] * len(rows)
-    for key, color, label in parts:
-        heights = [r[key] / 2**20 for r in rows]
-        ax.bar(xs, heights, bottom=bottom, color=color, label=label)
-        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    ax.set_xticks(xs, [r["label"] for r in rows])
-    ax.set_ylabel("peak MiB")
-    ax.legend(fontsize=8)
-    return ax

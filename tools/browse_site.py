@@ -25,7 +25,7 @@ And per issue 27's items:
    Windows and the hosted option, and one search box at 1280 px;
 10. the exercise index lists every lesson; hints and solutions are folded until opened;
     the copy button copies a code cell (read back from the clipboard);
-11. ⏳ ✅ ❌ are drawn from SVG (they show without an emoji font).
+11. ○ ✓ ✗ are drawn from SVG (they show without an emoji font).
 
 Screenshots (the top of each page, the landing page in full, a figure, a widget, math,
 code, an opened exercise, the search results) go to ``--shots``. Needs ``pip install
@@ -375,7 +375,7 @@ def _check_emoji(context, base: str, kind: str, shots: Path) -> list[str]:
     bare = page.evaluate(
         """() => { const w = document.createTreeWalker(document.querySelector('.bd-article'), NodeFilter.SHOW_TEXT);
              let n = 0; while (w.nextNode()) { const t = w.currentNode;
-               if (/[⏳✅❌]/.test(t.textContent) && !t.parentElement.closest('.al-emoji')) n++; } return n; }"""
+               if (/[○✓✗]/.test(t.textContent) && !t.parentElement.closest('.al-emoji')) n++; } return n; }"""
     )
     first = page.query_selector(".bd-article .al-emoji")
     if first:
@@ -384,7 +384,7 @@ def _check_emoji(context, base: str, kind: str, shots: Path) -> list[str]:
     page.close()
     failures = []
     if not marks:
-        failures.append(f"{kind} 01: no checker mark (⏳ ✅ ❌) drawn")
+        failures.append(f"{kind} 01: no checker mark (○ ✓ ✗) drawn")
     if any("svg" not in m["bg"] or m["w"] < 8 for m in marks):
         failures.append(f"{kind} 01: a checker mark without its SVG drawing")
     if bare:

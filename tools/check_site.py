@@ -27,7 +27,7 @@ Fails (exit 1, one line per problem) unless:
 - every exercise a notebook checks is listed in exercises.html with a link to its lesson,
   and its lesson page folds its hints and solution;
 - no test machinery on a lesson page (``NBVAL_`` markers, 00's Makefile check) and no
-  issue number on any page; ⏳ ✅ ❌ only inside the spans that draw them from SVG;
+  issue number on any page; ○ ✓ ✗ only inside the spans that draw them from SVG;
 - the landing page has a "Start lesson 00 →" link and the study time.
 
 It reads files only: no browser, no network (tools/browse_site.py is the browser check).
@@ -59,7 +59,7 @@ NOTEBOOKS = REPO / "notebooks"
 PHONE_PX = 390
 _RAW_TEX = re.compile(r"\$\$|\\frac\b|\\text\{|\\times\b")
 _HASHED_ALT = re.compile(r"[0-9a-f]{16,}|\.(?:png|jpe?g|svg)$", re.IGNORECASE)
-_EMOJI = "⏳✅❌"
+_EMOJI = "○✓✗"
 
 
 # accumlab.css gives these overflow-x: auto (a saved widget's own HTML table)
@@ -263,7 +263,7 @@ def _extended_checks(site: Path, pages: dict[str, _Page], stems: list[str]) -> l
         bare = re.sub(r'<span class="al-emoji[^"]*"[^>]*>[' + _EMOJI + "]</span>", "", body)
         bare = re.sub(r"<script.*?</script>", "", bare, flags=re.S)
         if any(ch in bare for ch in _EMOJI):
-            problems.append(f"{name}: ⏳ ✅ ❌ outside the spans that draw them (an emoji font would be needed)")
+            problems.append(f"{name}: ○ ✓ ✗ outside the spans that draw them (an emoji font would be needed)")
         if "class=\"math" in body and not any("mathjax/MathJax.js" in s for s in pages[name].scripts):
             problems.append(f"{name}: has math but does not load the site's own MathJax")
 

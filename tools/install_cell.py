@@ -33,8 +33,8 @@ sys.path.insert(0, str(REPO / "tools"))
 from build_site import BRANCH, INSTALL_CELL_ID, project_urls, tomllib  # noqa: E402
 
 CELL_ID = INSTALL_CELL_ID  # the site's run box says "the first code cell installs" when present
-FIRST_LINE = "# Runs anywhere: installs accumlab if it is missing (a hosted notebook service, a bare Jupyter); silent where it is installed."
-TORCH_CPU = "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+FIRST_LINE = "# Runs anywhere: installs accumlab where it is missing; silent where it is installed."
+TORCH_CPU = "https://download.pytorch.org/whl/cpu"  # PyTorch's CPU build, ~190 MB
 
 _TEMPLATE = '''{first_line}
 import importlib.util
@@ -42,12 +42,14 @@ import os
 import subprocess
 import sys
 
-if importlib.util.find_spec("accumlab") is None:
-    source = os.environ.get("ACCUMLAB_INSTALL_SOURCE", "{source}")
+if importlib.util.find_spec("accumlab") is None:  # a hosted service, a bare Jupyter
+    default = "{source}"
+    source = os.environ.get("ACCUMLAB_INSTALL_SOURCE", default)
     pip = [sys.executable, "-m", "pip", "install", "--quiet"]
     if importlib.util.find_spec("torch") is None:
         print("installing PyTorch 2.13.0, CPU build ...")
-        subprocess.run(pip + "{torch}".split(), check=True)
+        cpu = "{torch}"
+        subprocess.run(pip + ["torch==2.13.0", "--index-url", cpu], check=True)
     print(f"installing accumlab from {{source}} ...")
     subprocess.run(pip + [source], check=True)
     importlib.invalidate_caches()'''

@@ -24,7 +24,7 @@ from .report import TrainerAuditReport
 from .state import preserved_trainer
 
 #: The transformers releases the audit is tested with, both ends tested (4.57.6 in
-#: tests/test_hf_audit_versions.py, 5.24.0 as installed); the Trainer's
+#: tests/hf/test_hf_audit_versions.py, 5.24.0 as installed); the Trainer's
 #: num_items_in_batch counting changed between them. Outside it, reports carry a note.
 TESTED_TRANSFORMERS = ">=4.57.6,<=5.24.0"
 

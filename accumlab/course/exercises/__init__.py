@@ -99,12 +99,16 @@ def _is_stub(answer: Any) -> bool:
 class Exercise:
     """One exercise: ``checker(answer)`` returns ``None`` when the answer is right, or a
     message saying what is wrong; ``hints`` are shown one at a time; ``reference`` is the
-    solution's source text."""
+    solution's source text. ``kind`` is ``"exercise"`` (code to write) or ``"prediction"``
+    (a number or a choice written down before the cell that computes it runs), whose
+    ``answer`` is the value that cell shows."""
 
     name: str
     checker: Callable[[Any], str | None]
     hints: tuple[str, ...]
     reference: str
+    kind: str = "exercise"
+    answer: Any = None
 
     @property
     def path(self) -> str:
@@ -113,14 +117,14 @@ class Exercise:
 
     def _not_attempted(self) -> bool:
         print(wrap(
-            f"⏳ {self.name}: {NOT_ATTEMPTED}. Replace the stub above with your answer and run "
+            f"○ {self.name}: {NOT_ATTEMPTED}. Replace the stub above with your answer and run "
             f"this cell again; {self.path}.hint() gives a hint, {self.path}.solution() "
             "shows the answer."
         ))
         return False
 
     def check(self, answer: Any) -> bool:
-        """Print ✅ or ❌ with the reason (⏳ for a stub), and return whether it passed."""
+        """Print ✓ or ✗ with the reason (○ for a stub), and return whether it passed."""
         if _is_stub(answer):
             return self._not_attempted()
         try:
@@ -130,9 +134,9 @@ class Exercise:
         except Exception as exc:  # a learner's code may fail in any way; report, don't crash
             problem = f"your answer raised {type(exc).__name__}: {exc}"
         if problem is None:
-            print(f"✅ {self.name}: correct")
+            print(f"✓ {self.name}: correct")
             return True
-        print(wrap(f"❌ {self.name}: {problem}"))
+        print(wrap(f"✗ {self.name}: {problem}"))
         return False
 
     def hint(self, n: int = 1) -> None:

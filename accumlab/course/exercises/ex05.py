@@ -136,6 +136,8 @@ momentum_baseline = Exercise(
         "buffer the size of each parameter.",
     ),
     reference="momentum_baseline = 2.0  # weights (1) + momentum buffers (1); gradients cleared",
+    kind="prediction",
+    answer=2.0,
 )
 
 sum_then_backward_extra = Exercise(
@@ -147,6 +149,8 @@ sum_then_backward_extra = Exercise(
         "All A of them; the loop at A = 1 holds one at its peak as well.",
     ),
     reference="sum_then_backward_extra = 7  # A - 1 = 8 - 1 microbatches' activations",
+    kind="prediction",
+    answer=7,
 )
 
 

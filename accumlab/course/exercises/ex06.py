@@ -271,6 +271,8 @@ batchnorm_passes = Exercise(
     checker=check_batchnorm_passes,
     hints=("BatchNorm's num_batches_tracked grows by one per forward pass in training mode.",),
     reference="batchnorm_passes = 80  # 10 windows × A = 8 forward passes",
+    kind="prediction",
+    answer=80,
 )
 
 adamw_double_division = Exercise(
@@ -280,6 +282,8 @@ adamw_double_division = Exercise(
         "Adam's first update is lr × m̂ / (√v̂ + eps) with m̂ = g and v̂ = g² at the first step.",
     ),
     reference="adamw_double_division = 1.0  # g / sqrt(g**2): the factor 1/A cancels (up to eps)",
+    kind="prediction",
+    answer=1.0,
 )
 
 

@@ -48,7 +48,8 @@ def number_prediction(
 
     check.__module__ = module
     check.__name__ = f"check_{name}"
-    return Exercise(name, check, tuple(hints), f"{wrap(reasoning)}\nanswer: {expected:g}")
+    reference = f"{wrap(reasoning)}\nanswer: {expected:g}"
+    return Exercise(name, check, tuple(hints), reference, kind="prediction", answer=expected)
 
 
 def choice_prediction(
@@ -79,4 +80,5 @@ def choice_prediction(
 
     check.__module__ = module
     check.__name__ = f"check_{name}"
-    return Exercise(name, check, tuple(hints), f"{wrap(reasoning)}\nanswer: {expected!r}")
+    reference = f"{wrap(reasoning)}\nanswer: {expected!r}"
+    return Exercise(name, check, tuple(hints), reference, kind="prediction", answer=expected)

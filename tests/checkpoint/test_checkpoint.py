@@ -1,0 +1,195 @@
+"""The checkpoint layer (atomic files, the newest complete checkpoint, refusals, RNG
+states), the ledger as plain data, and the run record that comes from the run."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import resume_workers as workers  # tests/helpers/resume_workers.py
+
+import accumlab as al
+from accumlab import checkpoint
+from accumlab.ledger import Ledger, RunRecord, UpdateReport
+
+
+def report(index: int, applied: bool = True, loss: float = 1.5, grad_norm: float = 2.0) -> UpdateReport:
+    return UpdateReport(
+        index=index, applied=applied, examples=4, targets=40, global_targets=40, microbatches=2,
+        backward_passes=2, loss=loss, loss_sum=loss * 40, grad_norm=grad_norm, lr=1e-3 * (index + 1),
+        skipped_reason=None if applied else "non-finite gradient",
+    )  # fmt: skip
+
+
+def sample_ledger() -> Ledger:
+    ledger = Ledger(loader_batches=6, largest_microbatch=2)
+    ledger.record(report(0, grad_norm=3.0))
+    ledger.record(report(1, applied=False, loss=math.nan, grad_norm=math.inf))
+    ledger.record(report(2, grad_norm=5.0))
+    ledger.shrinks.append({"update": 1, "old_micro_batch_size": 2, "new_micro_batch_size": 1, "microbatches": 4})
+    ledger.settings = {"precision": "fp16", "scaler": {"enabled": True, "scale": 1024.0}, "unit": "target"}
+    return ledger
+
+
+# ----------------------------------------------------------------- the ledger as plain data
+
+
+def test_ledger_state_round_trips_through_a_weights_only_load(tmp_path: Path) -> None:
+    ledger = sample_ledger()
+    torch.save(ledger.state_dict(), tmp_path / "ledger.pt")
+    state = torch.load(tmp_path / "ledger.pt", weights_only=True)  # plain data only
+    restored = Ledger()
+    restored.load_state_dict(state)
+    assert workers.mismatches(restored.state_dict(), ledger.state_dict()) == []
+    assert restored.reports[1].skipped_reason == "non-finite gradient"
+    assert math.isnan(restored.reports[1].loss) and restored.reports[1].grad_norm == math.inf
+    assert restored.summary() == ledger.summary()
+    restored.shrinks[0]["update"] = 99  # a copy, not the same lists
+    assert ledger.shrinks[0]["update"] == 1
+
+
+def test_ledger_load_state_dict_names_missing_and_unknown_fields() -> None:
+    state = Ledger().state_dict()
+    del state["examples"]
+    state["tokens"] = 3
+    with pytest.raises(ValueError, match=r"missing fields \['examples'\], unknown fields \['tokens'\]"):
+        Ledger().load_state_dict(state)
+    with pytest.raises(TypeError, match="state must be a dict"):
+        Ledger().load_state_dict([])  # type: ignore[arg-type]
+
+
+def test_ledger_state_dict_refuses_what_is_not_plain_data() -> None:
+    ledger = Ledger()
+    ledger.settings = {"optimizer": torch.optim.SGD}
+    with pytest.raises(TypeError, match=r"Ledger.settings\['optimizer'\] must hold plain data only"):
+        ledger.state_dict()
+
+
+# ----------------------------------------------------------------- the record: strict JSON
+
+
+def test_record_json_is_strict_with_non_finite_numbers_anywhere() -> None:
+    plan = al.AccumulationPlan(2, 2)
+    extra = {"nan": math.nan, "nested": {"inf": [1.0, math.inf, -math.inf]}, "pair": (math.nan, 2)}
+    record = RunRecord.from_run(plan, sample_ledger(), extra=extra)
+    text = record.to_json()
+    data = json.loads(text, parse_constant=lambda name: pytest.fail(f"non-strict JSON: {name}"))
+    assert data["extra"]["nan"] is None
+    assert data["extra"]["nested"] == {"inf": [1.0, None, None]}
+    assert data["extra"]["pair"] == [None, 2]
+    back = RunRecord.from_json(text)
+    assert back.to_json() == text
+    assert back.extra["nested"]["inf"] == [1.0, None, None]
+    assert (back.precision, back.scaler, back.grad_norm_largest) == ("fp16", {"enabled": True, "scale": 1024.0}, 5.0)
+
+
+def test_record_from_json_refuses_what_is_not_a_record() -> None:
+    good = json.loads(RunRecord.from_run(al.AccumulationPlan(2, 2), Ledger()).to_json())
+    with pytest.raises(ValueError, match="not JSON"):
+        RunRecord.from_json("{")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        RunRecord.from_json("[1]")
+    del good["targets"]
+    good["steps"] = 3
+    with pytest.raises(ValueError, match=r"missing fields \['targets'\], unknown fields \['steps'\]"):
+        RunRecord.from_json(json.dumps(good))
+
+
+# ----------------------------------------------------------------- the record comes from the run
+
+
+def test_record_keywords_still_work_for_a_ledger_built_by_hand() -> None:
+    ledger = Ledger()
+    record = RunRecord.from_run(al.AccumulationPlan(2, 2), ledger, unit="example", precision="bf16")
+    assert (record.unit, record.precision) == ("example", "bf16")
+    default = RunRecord.from_run(al.AccumulationPlan(2, 2), ledger)
+    assert (default.unit, default.precision, default.scaler) == ("target", "fp32", None)
+    noted = RunRecord.from_run(al.AccumulationPlan(2, 2), sample_ledger())
+    assert (noted.precision, noted.scaler) == ("fp16", {"enabled": True, "scale": 1024.0})
+
+
+# ----------------------------------------------------------------- files
+
+
+def test_save_is_atomic_keeps_the_newest_two_and_ignores_leftovers(tmp_path: Path) -> None:
+    for attempts in (1, 2, 3):
+        checkpoint.save_checkpoint({"format": checkpoint.FORMAT, "n": attempts}, tmp_path, attempts)
+    assert checkpoint.list_checkpoints(tmp_path) == [3, 2]
+    # A write killed midway leaves a temporary file: never listed, removed by the next write.
+    leftover = tmp_path / ".checkpoint-checkpoint-00000004-rank0.abc.tmp"
+    leftover.write_bytes(b"half a checkpoint")
+    assert checkpoint.list_checkpoints(tmp_path) == [3, 2]
+    checkpoint.save_checkpoint({"format": checkpoint.FORMAT, "n": 4}, tmp_path, 4)
+    assert not leftover.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint-00000003-rank0.pt", "checkpoint-00000004-rank0.pt",
+    ]  # fmt: skip
+    assert checkpoint.load_checkpoint(checkpoint.checkpoint_path(tmp_path, 4))["n"] == 4
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint_intact(tmp_path: Path) -> None:
+    checkpoint.save_checkpoint({"format": checkpoint.FORMAT, "n": 1}, tmp_path, 1)
+    with pytest.raises(Exception):  # noqa: B017 - pickling a lambda fails inside torch.save
+        checkpoint.save_checkpoint({"format": checkpoint.FORMAT, "f": lambda: 0}, tmp_path, 2)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-00000001-rank0.pt"]
+    assert checkpoint.load_checkpoint(checkpoint.checkpoint_path(tmp_path, 1))["n"] == 1
+    assert checkpoint.newest_common(tmp_path) == 1
+
+
+def test_load_is_weights_only(tmp_path: Path) -> None:
+    path = checkpoint.checkpoint_path(tmp_path, 1)
+    torch.save({"format": checkpoint.FORMAT, "object": Path("x")}, path)  # not plain data
+    with pytest.raises(Exception, match="Weights only load failed"):
+        checkpoint.load_checkpoint(path)
+    torch.save({"format": 99}, path)
+    with pytest.raises(checkpoint.CorruptCheckpointError, match=f"not an accumlab checkpoint of format {checkpoint.FORMAT} .found 99"):
+        checkpoint.load_checkpoint(path)
+
+
+def test_newest_common_with_one_process(tmp_path: Path) -> None:
+    assert checkpoint.newest_common(tmp_path / "none") is None
+    (tmp_path / "checkpoint-00000007-rank1.pt").write_bytes(b"")  # another rank's
+    assert checkpoint.newest_common(tmp_path) is None
+
+
+def test_rng_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    random.seed(3)
+    checkpoint.save_checkpoint({"format": checkpoint.FORMAT, "rng": checkpoint.rng_state()}, tmp_path, 1)
+    expected = (torch.rand(5), random.random())
+    torch.manual_seed(4)
+    random.seed(4)
+    checkpoint.set_rng_state(checkpoint.load_checkpoint(checkpoint.checkpoint_path(tmp_path, 1))["rng"])
+    assert torch.equal(torch.rand(5), expected[0]) and random.random() == expected[1]
+
+
+def test_check_compatible_names_every_difference() -> None:
+    config = workers.Config()
+    run = workers.build(config)
+    ckpt = checkpoint.Checkpointer(
+        None, None, False, model=run["model"], optimizer=run["optimizer"], scheduler=run["scheduler"],
+        scaler=None, plan=run["plan"], precision="fp32", batches=run["data"],
+    )  # fmt: skip
+    state = ckpt.state()
+    state["world_size"] = 2
+    other = workers.build(workers.Config(n_embd=8))
+    settings = {**state["settings"], "seed": 5, "clip_grad_norm": 0.5}
+    message = _refusal(state, plan=al.AccumulationPlan(4, 2), model=other["model"], world_size=1, settings=settings)
+    assert "seed (torch.initial_seed()): 1000 in the checkpoint, 5 now" in message
+    assert "clip_grad_norm: None in the checkpoint, 0.5 now" in message
+    assert "plan: micro_batch_size 2 in the checkpoint, 4 now" in message
+    assert "plan: effective_batch_size 4 in the checkpoint, 8 now" in message
+    assert "world size: 2 in the checkpoint, 1 now" in message
+    assert "model: tok_emb.weight '[32, 16] torch.float32' in the checkpoint, '[32, 8]" in message
+    assert "model: and " in message  # more than five model differences are summarised
+
+
+def _refusal(state: dict[str, Any], **kwargs: Any) -> str:
+    with pytest.raises(ValueError, match="cannot resume from this checkpoint") as info:
+        checkpoint.check_compatible(state, precision="fp32", scaler=None, **kwargs)
+    return str(info.value)

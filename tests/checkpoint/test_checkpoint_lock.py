@@ -1,0 +1,352 @@
+"""A run owns its checkpoint directory: the lock is taken before
+anything is written, a second run is refused at once naming the holder, a lock left by a
+dead process is taken over with a warning, and the CLI's settings file is written only by
+the run that holds the lock.
+
+The concurrency tests fork real processes (``multiprocessing`` "fork": each child is a
+separate process with its own pid and open files, so the kernel's ``flock`` rules are the
+ones two scripts meet) and start the second run at a random offset into the first.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import resume_workers as workers  # tests/helpers/resume_workers.py
+
+import accumlab as al
+from accumlab import checkpoint, cli
+from accumlab.checkpoint import lock as lock_module
+
+LOCK = ".checkpoint-lock"
+REFUSED = ("in use by another run", "already holds checkpoints")
+FORK = multiprocessing.get_context("fork")
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="fork and flock")
+
+
+def _hold(directory: str, ready: Any, release: Any) -> None:
+    """A child process that holds ``directory``'s lock until ``release`` is set."""
+    with checkpoint.DirectoryLock(directory):
+        ready.set()
+        release.wait(30)
+
+
+def test_a_second_process_is_refused_at_once_naming_the_holder(tmp_path: Path) -> None:
+    ready, release = FORK.Event(), FORK.Event()
+    holder = FORK.Process(target=_hold, args=(str(tmp_path), ready, release))
+    holder.start()
+    try:
+        assert ready.wait(30)
+        record = json.loads((tmp_path / LOCK).read_text())
+        assert (record["pid"], record["host"]) == (holder.pid, socket.gethostname())
+        start = time.monotonic()
+        with pytest.raises(checkpoint.CheckpointDirectoryInUseError) as info:
+            checkpoint.DirectoryLock(tmp_path).acquire()
+        assert time.monotonic() - start < 5.0  # refused at once, not after the holder (30 s)
+        assert f"in use by another run: process {holder.pid} on host {socket.gethostname()!r}" in str(info.value)
+        run = workers.build(workers.Config())
+        with pytest.raises(checkpoint.CheckpointDirectoryInUseError, match=f"process {holder.pid}"):
+            workers.train(run, workers.Config(), checkpoint_dir=tmp_path, checkpoint_every=1)
+        assert checkpoint.list_checkpoints(tmp_path) == []  # nothing was written
+    finally:
+        release.set()
+        holder.join(30)
+    assert not (tmp_path / LOCK).exists()  # the holder let go: the file is gone
+    with checkpoint.DirectoryLock(tmp_path):
+        pass
+
+
+def test_another_thread_of_the_process_is_refused_and_the_same_thread_may_nest(tmp_path: Path) -> None:
+    errors: list[BaseException] = []
+    with checkpoint.DirectoryLock(tmp_path):
+        with checkpoint.DirectoryLock(tmp_path):  # `accumlab train` takes it, then train() does
+            pass
+        assert (tmp_path / LOCK).exists()  # still held by the outer one
+
+        def other() -> None:
+            try:
+                checkpoint.DirectoryLock(tmp_path).acquire()
+            except checkpoint.CheckpointDirectoryInUseError as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+    assert len(errors) == 1 and "another thread of this process" in str(errors[0])
+    assert not (tmp_path / LOCK).exists()
+
+
+def _killed_mid_run(directory: str) -> None:
+    """Train with a checkpoint after every attempt; SIGKILL itself while reading window 3."""
+    config = workers.Config(microbatches=8)
+    run = workers.build(config)
+
+    def data() -> Any:
+        for i, microbatch in enumerate(run["data"]):
+            if i == 6:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield microbatch
+
+    workers.train(run, config, data(), checkpoint_dir=directory, checkpoint_every=1)
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(tmp_path: Path) -> None:
+    child = FORK.Process(target=_killed_mid_run, args=(str(tmp_path),))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    assert json.loads((tmp_path / LOCK).read_text())["pid"] == child.pid  # left behind
+    assert checkpoint.list_checkpoints(tmp_path) == [3, 2]
+    config = workers.Config(microbatches=8)
+    run = workers.build(config)
+    with pytest.warns(UserWarning, match=f"taking over the lock left by process {child.pid} .*no longer runs"):
+        ledger = workers.train(run, config, checkpoint_dir=tmp_path, resume=True)
+    assert ledger.update_attempts == 4
+    assert not (tmp_path / LOCK).exists()
+
+
+# ----------------------------------------------------------------- without flock
+
+
+def _sleeper() -> None:
+    time.sleep(30)
+
+
+@pytest.fixture
+def no_flock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system without flock (Lustre without -o flock): the record alone decides."""
+    monkeypatch.setattr(lock_module, "_flock", lambda fd: "unsupported")
+
+
+def _write_record(directory: Path, **record: Any) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / LOCK).write_text(json.dumps({"started": "2026-01-01T00:00:00+00:00", **record}))
+
+
+def test_without_flock_a_live_holder_on_this_host_is_refused(tmp_path: Path, no_flock: None) -> None:
+    live = FORK.Process(target=_sleeper)
+    live.start()
+    try:
+        _write_record(tmp_path, pid=live.pid, host=socket.gethostname(),
+                      process_start=lock_module._process_start(live.pid))  # fmt: skip
+        with pytest.raises(checkpoint.CheckpointDirectoryInUseError, match=f"process {live.pid}"):
+            checkpoint.DirectoryLock(tmp_path).acquire()
+    finally:
+        live.kill()
+        live.join()
+
+
+def test_without_flock_a_dead_holder_or_a_reused_pid_is_taken_over(tmp_path: Path, no_flock: None) -> None:
+    dead = FORK.Process(target=_sleeper)
+    dead.start()
+    dead.kill()
+    dead.join()
+    _write_record(tmp_path, pid=dead.pid, host=socket.gethostname(), process_start="1")
+    with pytest.warns(UserWarning, match=f"left by process {dead.pid} .*no longer runs"):
+        with checkpoint.DirectoryLock(tmp_path) as held:
+            assert json.loads((tmp_path / LOCK).read_text()) == held.record
+    # The pid of a live process, but not the process that wrote the record (another start).
+    _write_record(tmp_path / "reused", pid=os.getpid(), host=socket.gethostname(), process_start="1")
+    with pytest.warns(UserWarning, match="taking over"):
+        checkpoint.DirectoryLock(tmp_path / "reused").acquire().release()
+
+
+def test_a_holder_on_another_host_is_never_taken_over(tmp_path: Path) -> None:
+    """Even where flock is free (a lock on another NFS client may be invisible here)."""
+    _write_record(tmp_path, pid=1234, host="another-host.example")
+    with pytest.raises(checkpoint.CheckpointDirectoryInUseError,
+                       match="process 1234 on host 'another-host.example'.*delete the lock file"):  # fmt: skip
+        checkpoint.DirectoryLock(tmp_path).acquire()
+
+
+# ----------------------------------------------------------------- two runs at once
+
+#: One run: 12 microbatches of 2 examples, A=2: 6 update attempts, a checkpoint after each.
+RACE = workers.Config(microbatches=12)
+CLI_UPDATES = 4
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
+    """One run of each kind in this process before any fork: the children inherit what a
+    first update imports and initialises (seconds under load), so each race is about the
+    runs. Returns how long each kind took here (s), to spread the start offsets over."""
+    directory = tmp_path_factory.mktemp("warm")
+    took: dict[str, float] = {}
+    with open(os.devnull, "w") as quiet:
+        saved = sys.stdout
+        sys.stdout = quiet
+        try:
+            for attempt in range(2):  # the second is timed
+                start = time.perf_counter()
+                workers.train(workers.build(RACE), RACE, checkpoint_dir=directory / f"lib{attempt}",
+                              checkpoint_every=1)  # fmt: skip
+                took["library"] = time.perf_counter() - start
+                start = time.perf_counter()
+                cli.main(["train", "--updates", str(CLI_UPDATES), "--micro", "2", "--steps", "2",
+                          "--examples", "16", "--checkpoint-dir", str(directory / f"cli{attempt}"),
+                          "--checkpoint-every", "1", "--quiet"])  # fmt: skip
+                took["cli"] = time.perf_counter() - start
+        finally:
+            sys.stdout = saved
+    return took
+
+
+def _library_run(directory: str, out: Any) -> None:
+    attempts = []
+    try:
+        run = workers.build(RACE)
+        ledger = workers.train(run, RACE, checkpoint_dir=directory, checkpoint_every=1,
+                               on_update=lambda report: attempts.append(report.index))  # fmt: skip
+        out.send(("ok", checkpoint.payload_checksum(run["model"].state_dict()), ledger.update_attempts))
+    except Exception as exc:  # noqa: BLE001 (the parent judges it)
+        out.send(("refused" if not attempts and any(r in str(exc) for r in REFUSED) else "error",
+                  f"{type(exc).__name__}: {exc}", len(attempts)))  # fmt: skip
+
+
+def _cli_run(directory: str, lr: str, out: Any) -> None:
+    log = Path(directory).parent / f"cli-{os.getpid()}.err"
+    sys.stdout, sys.stderr = open(os.devnull, "w"), open(log, "w")  # noqa: SIM115 (the child's own)
+    code = cli.main(["train", "--updates", str(CLI_UPDATES), "--micro", "2", "--steps", "2",
+                     "--examples", "16", "--lr", lr, "--checkpoint-dir", directory,
+                     "--checkpoint-every", "1", "--quiet"])  # fmt: skip
+    sys.stderr.flush()
+    out.send((code, log.read_text()))
+
+
+def _race(target: Any, args_a: tuple[Any, ...], args_b: tuple[Any, ...], offset_s: float) -> list[Any]:
+    """Start run A, then run B ``offset_s`` later (each in its own process); both results."""
+    pipes = [FORK.Pipe(duplex=False) for _ in range(2)]
+    runs = [FORK.Process(target=target, args=(*args, pipe[1])) for args, pipe in zip((args_a, args_b), pipes, strict=True)]
+    runs[0].start()
+    time.sleep(offset_s)
+    runs[1].start()
+    results = []
+    for run, (receive, _) in zip(runs, pipes, strict=True):
+        assert receive.poll(120), "a run did not finish"
+        results.append(receive.recv())
+        run.join(30)
+        assert run.exitcode == 0
+    return results
+
+
+def _assert_intact(directory: Path, attempts: int) -> dict[str, Any]:
+    """The directory holds the winner's two newest checkpoints, intact, and nothing else
+    of a run (no temporary file, no lock)."""
+    assert checkpoint.list_checkpoints(directory) == [attempts, attempts - 1]
+    states = [checkpoint.load_checkpoint(checkpoint.checkpoint_path(directory, n)) for n in (attempts, attempts - 1)]
+    assert [s["ledger"]["update_attempts"] for s in states] == [attempts, attempts - 1]
+    leftovers = [p.name for p in directory.iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+    return states[0]
+
+
+@pytest.mark.concurrency
+def test_two_library_runs_into_one_directory_one_is_refused_the_other_intact(
+    tmp_path: Path, warm: dict[str, float]
+) -> None:
+    """20 pairs of al.train runs into one fresh directory, the second started at a random
+    offset within 1.2 times one run's duration: one is refused before its first update
+    (mostly by the lock; when it starts after the first run ended, because the directory
+    holds checkpoints), the other's checkpoints are intact and its own."""
+    rng = random.Random(25)
+    by_lock = 0
+    for repetition in range(20):
+        directory = tmp_path / f"r{repetition}"
+        offset = rng.uniform(0.0, 1.2 * warm["library"])
+        results = _race(_library_run, (str(directory),), (str(directory),), offset)
+        kinds = sorted(r[0] for r in results)
+        assert kinds == ["ok", "refused"], (repetition, offset, results)
+        by_lock += any("in use by another run" in str(r[1]) for r in results)
+        winner = next(r for r in results if r[0] == "ok")
+        newest = _assert_intact(directory, 6)
+        assert checkpoint.payload_checksum(newest["model"]) == winner[1]  # the winner's weights
+    print(f"library: {by_lock} of 20 refused by the lock (a run took {warm['library']:.2f} s)")
+    assert by_lock >= 5  # the races did overlap
+
+
+@pytest.mark.concurrency
+def test_two_cli_runs_into_one_directory_one_is_refused_the_other_intact(
+    tmp_path: Path, warm: dict[str, float]
+) -> None:
+    """20 pairs of `accumlab train` (cli.main in its own process) with different --lr into
+    one directory, the second at a random offset within 1.2 times one run's duration: one
+    exits 1 naming the holder (or 2: the directory already holds checkpoints, when it
+    started after the first ended), the other's checkpoints and settings file are its
+    own, and its own resume is accepted."""
+    rng = random.Random(2025)
+    by_lock = 0
+    for repetition in range(20):
+        directory = tmp_path / f"r{repetition}"
+        offset = rng.uniform(0.0, 1.2 * warm["cli"])
+        first, second = _race(_cli_run, (str(directory), "0.001"), (str(directory), "0.002"), offset)
+        assert sorted((first[0], second[0])) in ([0, 1], [0, 2]), (repetition, offset, first, second)
+        by_lock += 1 in (first[0], second[0])
+        loser_log = (first if first[0] != 0 else second)[1]
+        assert loser_log.count("\n") == 1 and loser_log.startswith("accumlab: error: --checkpoint-dir")
+        assert any(r in loser_log for r in REFUSED), loser_log
+        winner_lr = 1e-3 if first[0] == 0 else 2e-3
+        newest = _assert_intact(directory, CLI_UPDATES)
+        assert newest["settings"]["hyperparameters"][0]["lr"] == winner_lr
+        settings = json.loads((directory / cli.SETTINGS_FILE).read_text())
+        assert settings["--lr"] == winner_lr  # written by the lock holder only
+    print(f"cli: {by_lock} of 20 refused by the lock (a run took {warm['cli']:.2f} s)")
+    assert by_lock >= 5
+    # The winner's own resume is accepted (its settings file was not overwritten).
+    code = cli.main(["train", "--updates", str(CLI_UPDATES + 1), "--micro", "2", "--steps", "2",
+                     "--examples", "16", "--lr", str(winner_lr), "--checkpoint-dir", str(directory),
+                     "--checkpoint-every", "1", "--quiet", "--resume"])  # fmt: skip
+    assert code == 0
+
+
+def test_the_cli_names_the_holder_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ready, release = FORK.Event(), FORK.Event()
+    holder = FORK.Process(target=_hold, args=(str(tmp_path / "ckpt"), ready, release))
+    holder.start()
+    try:
+        assert ready.wait(30)
+        code = cli.main(["train", "--updates", "2", "--micro", "2", "--steps", "2", "--examples", "8",
+                         "--checkpoint-dir", str(tmp_path / "ckpt"), "--quiet"])  # fmt: skip
+    finally:
+        release.set()
+        holder.join(30)
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.count("\n") == 1 and f"--checkpoint-dir {tmp_path / 'ckpt'} is in use by another run: process {holder.pid}" in err
+    assert not (tmp_path / "ckpt" / cli.SETTINGS_FILE).exists()
+
+
+def test_train_lets_the_directory_go_however_it_ends(tmp_path: Path) -> None:
+    config = workers.Config()
+    run = workers.build(config)
+
+    def fail(report: al.UpdateReport) -> None:
+        raise RuntimeError("a failing callback")
+
+    with pytest.raises(RuntimeError, match="a failing callback"):
+        workers.train(run, config, checkpoint_dir=tmp_path, checkpoint_every=1, on_update=fail)
+    assert not (tmp_path / LOCK).exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no takeover warning: the lock was released, not left
+        workers.train(workers.build(config), config, checkpoint_dir=tmp_path, resume=True)
+
+
+def test_an_empty_lock_file_nobody_holds_is_taken_over(tmp_path: Path) -> None:
+    """A run killed between creating the file and writing its name leaves it empty."""
+    (tmp_path / LOCK).touch()
+    with pytest.warns(UserWarning, match="left by a process that has not written its name yet"):
+        with checkpoint.DirectoryLock(tmp_path) as held:
+            assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid() == held.record["pid"]
+    assert not (tmp_path / LOCK).exists()

@@ -1,0 +1,1 @@
+"""Helpers the tests import: models, batches, reference gradients, spawned-rank workers."""

@@ -1,0 +1,78 @@
+"""README.md's 'Audit the job you run' shows audit_trainer's report on GPT-2 from its
+config (lesson 08's job): the lines it prints are the ones the audit prints today."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from accumlab.course.data import VOCAB_SIZE, collate, load_examples  # noqa: E402
+from accumlab.hf import audit_trainer  # noqa: E402
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def lesson_08_report() -> str:
+    """The audit of lesson 08's job: GPT-2 from its config, 8 short examples labelled on
+    every token, m = 2, A = 4."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    transformers.logging.set_verbosity_error()
+    examples = [ex for ex in load_examples() if len(ex.input_ids) <= 16][:8]
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB_SIZE,
+        n_positions=128,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=1,
+        eos_token_id=1,
+    )
+
+    def lm_batch(batch_examples):
+        batch = collate(batch_examples, mask_prompt=False)
+        del batch["example_ids"]
+        return batch
+
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            out,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=4,
+            max_steps=1,
+            max_grad_norm=0.0,
+            seed=0,
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            use_cpu=True,
+        )
+        trainer = Trainer(
+            model=GPT2LMHeadModel(config), args=args, train_dataset=examples, data_collator=lm_batch
+        )
+        return str(audit_trainer(trainer))
+
+
+def test_the_readme_report_is_what_the_audit_prints():
+    text = README.read_text(encoding="utf-8")
+    section = text.partition("\n### A Hugging Face `Trainer`\n")[2]
+    block = re.search(r"^```text\n(.*?)^```$", section, re.DOTALL | re.MULTILINE)
+    assert block, "README.md has no text block under '### A Hugging Face `Trainer`'"
+    shown = block.group(1).rstrip("\n").split("\n")
+    printed = lesson_08_report().split("\n")
+    # the README elides the end of the last line it shows with '...'
+    *whole, last = shown
+    assert last.endswith(", ...")
+    assert whole == printed[: len(whole)]
+    assert printed[len(whole)].startswith(last.removesuffix(" ..."))

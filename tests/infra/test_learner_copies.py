@@ -1,0 +1,198 @@
+"""tools/learner_copies.py: the learner's notebooks live in a git-ignored folder.
+
+A learner's run, answers and saves must never change a tracked file: ``sync`` copies the
+lessons on first use and never overwrites, ``restore`` replaces a copy only when asked and
+keeps the old one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("learner_copies", ROOT / "tools" / "learner_copies.py")
+copies = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(copies)
+
+
+@pytest.fixture
+def course(tmp_path: Path) -> Path:
+    (tmp_path / "notebooks").mkdir()
+    for name in ("00_start_here", "01_single_device_loop", "03_amp_gradscaler"):
+        (tmp_path / "notebooks" / f"{name}.ipynb").write_text(f'{{"lesson": "{name}"}}')
+    (tmp_path / "notebooks" / "scratch.ipynb").write_text("{}")  # not a lesson
+    return tmp_path
+
+
+def test_sync_copies_the_lessons_once_and_never_overwrites(course):
+    made = copies.sync(course)
+    assert [p.name for p in made] == ["00_start_here.ipynb", "01_single_device_loop.ipynb",
+                                      "03_amp_gradscaler.ipynb"]
+    mine = course / "my-notebooks" / "01_single_device_loop.ipynb"
+    mine.write_text('{"my": "answers"}')
+    (course / "notebooks" / "01_single_device_loop.ipynb").write_text('{"lesson": "v2"}')
+    assert copies.sync(course) == []
+    assert mine.read_text() == '{"my": "answers"}'  # a course update does not touch it
+    # a lesson added to the course later is copied on the next sync
+    (course / "notebooks" / "02_token_weighting.ipynb").write_text('{"lesson": "02"}')
+    assert [p.name for p in copies.sync(course)] == ["02_token_weighting.ipynb"]
+
+
+def test_restore_replaces_one_copy_and_keeps_the_old_one(course):
+    copies.sync(course)
+    mine = course / "my-notebooks" / "03_amp_gradscaler.ipynb"
+    mine.write_text('{"my": "answers"}')
+    (line,) = copies.restore(["03"], root=course, now=0)
+    assert mine.read_text() == '{"lesson": "03_amp_gradscaler"}'
+    (backup,) = (course / "my-notebooks" / "backups").iterdir()
+    assert backup.read_text() == '{"my": "answers"}'
+    assert line.startswith("replaced my-notebooks/03_amp_gradscaler.ipynb (your copy")
+    assert f"kept as my-notebooks/backups/{backup.name}" in line
+    assert (course / "my-notebooks" / "00_start_here.ipynb").read_text() == '{"lesson": "00_start_here"}'
+
+
+def test_restore_all_and_missing_copies(course):
+    lines = copies.restore(["all"], root=course)
+    assert len(lines) == 3 and all(x.startswith("created my-notebooks/") for x in lines)
+    assert len(copies.restore(["all"], root=course)) == 3
+    assert len(list((course / "my-notebooks" / "backups").iterdir())) == 3
+
+
+@pytest.mark.parametrize(("names", "says"), [(["09"], "matches no lesson"), ([], "name a lesson"),
+                                              (["0"], "matches 3 lessons")])
+def test_restore_refuses_an_unclear_name(course, names, says):
+    with pytest.raises(ValueError, match=says):
+        copies.restore(names, root=course)
+    assert not (course / "my-notebooks" / "backups").exists()
+
+
+def test_the_copies_folder_is_ignored_by_git_and_matches_every_lesson():
+    ignored = subprocess.run(["git", "check-ignore", "-q", "my-notebooks/00_start_here.ipynb"],
+                             cwd=ROOT, check=False).returncode
+    assert ignored == 0
+    lessons = copies.course_notebooks(ROOT)
+    every = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert [p.name for p in lessons] == [p.name for p in every]
+    assert lessons[0].name == "00_start_here.ipynb"
+    assert lessons[-1].name == "08_audit_your_job.ipynb"
+
+
+def test_relative_links_resolve_from_the_copies_folder():
+    # The notebooks open ../Makefile, ../examples/ddp_train.py and link ../accumlab/loop.py:
+    # the copies sit at the same depth as notebooks/, so each resolves to the same file.
+    assert (ROOT / copies.COPIES / ".." / "Makefile").resolve() == (ROOT / "Makefile")
+    for lesson in copies.course_notebooks(ROOT):
+        for target in ("../Makefile", "../examples/ddp_train.py", "../accumlab/loop.py"):
+            if target in lesson.read_text(encoding="utf-8"):
+                assert (ROOT / copies.COPIES / target).resolve().is_file(), (lesson.name, target)
+
+
+# --- a backup never replaces an existing file --------------------------------------------
+
+
+def test_two_restores_in_one_second_keep_both_backups(course):
+    """Backup names carry the time to the second; a second restore within that second
+    must take another name, not replace the first backup (the learner's answers)."""
+    copies.sync(course)
+    mine = course / "my-notebooks" / "03_amp_gradscaler.ipynb"
+    mine.write_text('{"my": "answers"}')
+    os.chmod(mine, 0o640)
+    os.utime(mine, (1_000_000_000, 1_000_000_000))
+    (first,) = copies.restore(["03"], root=course, now=0)
+    kept = course / "my-notebooks" / "backups" / first.rsplit("/", 1)[1]
+    assert kept.stat().st_mtime == 1_000_000_000 and kept.stat().st_mode & 0o777 == 0o640
+    mine.write_text('{"my": "second answers"}')
+    (second,) = copies.restore(["03"], root=course, now=0)
+    backups = sorted((course / "my-notebooks" / "backups").iterdir())
+    assert sorted(p.read_text() for p in backups) == ['{"my": "answers"}',
+                                                      '{"my": "second answers"}']
+    named = {line.rsplit("kept as my-notebooks/backups/", 1)[1] for line in (first, second)}
+    assert named == {p.name for p in backups}  # each line names its own backup
+
+
+def test_restore_of_one_lesson_named_twice_backs_it_up_once(course):
+    copies.sync(course)
+    mine = course / "my-notebooks" / "03_amp_gradscaler.ipynb"
+    mine.write_text('{"my": "answers"}')
+    lines = copies.restore(["03", "03_amp_gradscaler"], root=course, now=0)
+    assert len(lines) == 1
+    (backup,) = (course / "my-notebooks" / "backups").iterdir()
+    assert backup.read_text() == '{"my": "answers"}'
+    assert mine.read_text() == '{"lesson": "03_amp_gradscaler"}'
+
+
+def test_a_backup_never_replaces_a_file_already_there(course):
+    """Even a file the learner put at the name a backup would take is left alone."""
+    copies.sync(course)
+    (course / "my-notebooks" / "03_amp_gradscaler.ipynb").write_text('{"my": "answers"}')
+    backups = course / "my-notebooks" / "backups"
+    backups.mkdir()
+    stamp = copies.time.strftime("%Y%m%d-%H%M%S", copies.time.localtime(0))
+    taken = backups / f"03_amp_gradscaler.{stamp}.ipynb"
+    taken.write_text("older backup")
+    copies.restore(["03"], root=course, now=0)
+    assert taken.read_text() == "older backup"
+    assert sorted(p.read_text() for p in backups.iterdir()) == ["older backup", '{"my": "answers"}']
+
+
+def test_concurrent_restores_lose_nothing(course):
+    """Eight restores of one lesson at once, all in the same second: each takes its own
+    backup name, every backup is a whole file, and the learner's answers are in at least one."""
+    import threading
+
+    copies.sync(course)
+    mine = course / "my-notebooks" / "03_amp_gradscaler.ipynb"
+    answers = '{"my": "answers", "pad": "' + "x" * 200_000 + '"}'
+    mine.write_text(answers)
+    start = threading.Barrier(8)
+    errors = []
+
+    def restore() -> None:
+        start.wait()
+        try:
+            copies.restore(["03"], root=course, now=0)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=restore) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    kept = [p.read_text() for p in (course / "my-notebooks" / "backups").iterdir()]
+    assert len(kept) == 8
+    assert answers in kept  # all may hold it (each read it before any replaced it)
+    assert all(text in (answers, '{"lesson": "03_amp_gradscaler"}') for text in kept)
+    assert mine.read_text() == '{"lesson": "03_amp_gradscaler"}'
+
+
+@pytest.mark.parametrize("blocked", ["my-notebooks", "my-notebooks/backups"])
+@pytest.mark.parametrize("command", ["sync", "restore"])
+def test_a_file_where_a_folder_goes_is_one_clear_line(course, blocked, command):
+    """The command as `make lab`/`make restore NB=03` runs it, in a checkout whose
+    my-notebooks (or its backups) is a file: one line naming it and the way out, exit 1."""
+    if command == "sync" and blocked != "my-notebooks":
+        pytest.skip("sync makes no backups")
+    (course / "tools").mkdir()
+    shutil.copy2(ROOT / "tools" / "learner_copies.py", course / "tools")
+    if blocked != "my-notebooks":
+        copies.sync(course)
+    (course / blocked).write_text("a file, not a folder")
+    run = subprocess.run([sys.executable, "tools/learner_copies.py", command,
+                          *(["03"] if command == "restore" else [])],
+                         cwd=course, capture_output=True, text=True, check=False)
+    assert "Traceback" not in run.stderr and len(run.stderr.splitlines()) == 1, run.stderr
+    assert run.returncode == 1
+    assert run.stderr.startswith(f"{blocked} is a file, not a folder; ")
+    assert f"mv {blocked} {blocked}.old" in run.stderr
+    assert (course / blocked).read_text() == "a file, not a folder"  # left alone
+    if blocked != "my-notebooks":  # and so is the learner's copy
+        assert (course / "my-notebooks" / "03_amp_gradscaler.ipynb").exists()

@@ -1,0 +1,188 @@
+"""The Makefile's install steps, read through ``make -n`` (prints the commands, runs none).
+
+This machine cannot reach PyTorch's wheel index, so the tests check that the choice of
+index reaches pip's command line, not that a download works.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+
+
+def dry_run(tmp_path: Path, *args: str) -> list[str]:
+    """The commands ``make -n`` would run for a fresh virtual environment in tmp_path."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TORCH_INDEX", "TORCH", "PIPFLAGS", "LAB_ARGS", "LAB_PORT", "MAKEFLAGS")}
+    result = subprocess.run(
+        ["make", "-n", "-C", str(ROOT), f"VENV={tmp_path / 'venv'}", *args],
+        capture_output=True, text=True, env=env, timeout=60, check=True,
+    )
+    return result.stdout.splitlines()
+
+
+def pip_lines(lines: list[str]) -> list[str]:
+    return [line for line in lines if " -m pip install " in line]
+
+
+def torch_line(lines: list[str]) -> str:
+    """The pip line that downloads PyTorch (the first one naming it)."""
+    return [line for line in pip_lines(lines) if '"torch==' in line][0]
+
+
+def test_default_installs_the_pinned_torch_from_pips_own_index(tmp_path):
+    lines = dry_run(tmp_path, "lab")
+    line = torch_line(lines)
+    assert '"torch==2.13.0"' in line and "--index-url" not in line
+    # the step says what it installs, and what to do on a Linux machine without a GPU
+    (said,) = [line for line in lines if "installing PyTorch 2.13.0" in line]
+    assert "TORCH_INDEX=cpu" in said
+
+
+@pytest.mark.parametrize(
+    ("choice", "url"),
+    [
+        ("cpu", CPU_INDEX),
+        ("cu128", "https://download.pytorch.org/whl/cu128"),
+        ("https://mirror.example/torch/cpu", "https://mirror.example/torch/cpu"),
+    ],
+)
+def test_torch_index_reaches_pip_for_torch_only(tmp_path, choice, url):
+    lines = dry_run(tmp_path, "lab", f"TORCH_INDEX={choice}")
+    first = torch_line(lines)
+    # PyTorch's index serves torch alone: --no-deps, few retries, a short timeout
+    assert f"--index-url {url} " in first and "--no-deps" in first
+    assert "--retries 1" in first and "--timeout 20" in first
+    # its dependencies, and everything else, come from pip's usual index
+    others = [line for line in pip_lines(lines) if line != first]
+    assert any('"torch==2.13.0"' in line for line in others)
+    assert others and not any("--index-url" in line for line in others)
+    (said,) = [line for line in lines if "installing PyTorch 2.13.0" in line]
+    assert url in said
+    # the index is probed first, so an unreachable one fails in seconds with one line
+    (probe,) = [line for line in lines if "tools/reach_index.py" in line]
+    assert lines.index(probe) < lines.index(first) and probe.endswith(url)
+
+
+def test_an_unreachable_index_fails_fast_with_one_line():
+    import sys
+    import time
+
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "reach_index.py"),
+                             "http://127.0.0.1:9/whl/cpu"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 1 and time.monotonic() - start < 30
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("cannot reach PyTorch's wheel index http://127.0.0.1:9/whl/cpu")
+
+
+def test_lab_installs_the_course_and_not_the_test_tools(tmp_path):
+    lines = pip_lines(dry_run(tmp_path, "lab"))
+    assert any('-e ".[lab]"' in line for line in lines)
+    assert not any(".[dev" in line or "dev]" in line for line in lines)
+    tests = pip_lines(dry_run(tmp_path, "test"))
+    assert any('-e ".[dev]"' in line for line in tests)
+    assert not any(".[lab" in line or "lab]" in line for line in tests)
+
+
+def test_every_install_step_is_announced_and_pip_is_not_silenced(tmp_path):
+    lines = dry_run(tmp_path, "lab")
+    for i, line in enumerate(lines):
+        if " -m pip install " in line:
+            assert lines[i - 1].startswith('echo "installing '), line
+            assert not re.search(r"\s-q\b", line)  # pip shows its own progress
+    quiet = pip_lines(dry_run(tmp_path, "test", "PIPFLAGS=-q"))
+    assert quiet and all(re.search(r"\s-q\b", line) for line in quiet)
+
+
+def test_lab_serves_the_repository_root_in_the_course_workspace(tmp_path):
+    venv = tmp_path / "venv"
+    lines = dry_run(tmp_path, "lab", "LAB_PORT=9999", "LAB_ARGS=--no-browser")
+    text = "\n".join(lines).replace("\\\n", " ")
+    (load,) = [x for x in text.splitlines() if "jupyter lab workspaces import" in x]
+    (start,) = [x for x in text.splitlines() if "/jupyter lab " in x and "import" not in x]
+    assert text.index(load) < text.index(start)  # the layout is in place before the server
+    # the committed layout is copied into the virtual environment under the name the URL
+    # opens, so JupyterLab saves the learner's layout there and never into the repository
+    assert load.split()[-1] == "tools/lab-workspace.json"
+    assert "--name=accumlab " in load
+    assert f"--LabWorkspaceImportApp.workspaces_dir={venv}/lab-workspaces " in load
+    assert f"--LabApp.workspaces_dir={venv}/lab-workspaces " in start
+    assert "--LabApp.default_url=/lab/workspaces/accumlab " in start
+    assert "--ServerApp.root_dir=. " in start
+    assert "--ServerApp.port=9999" in start and start.endswith("--no-browser")
+    # the learner's copies exist before the server opens one of them
+    (sync,) = [x for x in text.splitlines() if "tools/learner_copies.py sync" in x]
+    assert text.index(sync) < text.index(start)
+    # a quiet start: no language-server scan, no news pop-up, no egg-info in the browser
+    assert "--LanguageServerManager.autodetect=False" in start and "*.egg-info" in start
+    (settings,) = [x for x in text.splitlines() if "lab-overrides.json" in x]
+    assert settings.endswith(f"{venv}/share/jupyter/lab/settings/overrides.json")
+    overrides = json.loads((ROOT / "tools" / "lab-overrides.json").read_text())
+    assert overrides["@jupyterlab/apputils-extension:notification"]["fetchNews"] == "false"
+
+
+def test_test_runs_unit_and_nbval_side_by_side_and_times_each_stage(tmp_path):
+    text = "\n".join(dry_run(tmp_path, "test"))
+    assert "-j2 --output-sync=target unit nbval" in text
+    for stage in ('"smoke check"', "lint", '"unit tests"', '"notebooks (strict nbval)"'):
+        assert f"tools/timed {stage} " in text
+    result = subprocess.run(["bash", str(ROOT / "tools" / "timed"), "stage x", "false"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1 and result.stdout.startswith("== stage x: FAILED (exit 1) in ")
+
+
+def test_the_course_workspace_opens_the_learners_notebook_00():
+    workspace = json.loads((ROOT / "tools" / "lab-workspace.json").read_text())
+    data = workspace["data"]
+    # the file browser shows the learner's copies (a path relative to the server's root)
+    assert data["file-browser-filebrowser:cwd"] == {"path": "my-notebooks"}
+    notebook = "my-notebooks/00_start_here.ipynb"
+    layout = data["layout-restorer:data"]
+    assert layout["main"]["current"] == f"notebook:{notebook}"
+    assert layout["main"]["dock"]["widgets"] == [f"notebook:{notebook}"]
+    assert layout["left"] == {"collapsed": False, "current": "filebrowser"}
+    assert data[f"notebook:{notebook}"]["data"] == {"path": notebook, "factory": "Notebook"}
+    assert (ROOT / "notebooks" / "00_start_here.ipynb").is_file()  # what the copy is made from
+    assert "my-notebooks/" in (ROOT / ".gitignore").read_text().splitlines()
+    assert workspace["metadata"]["id"] == "accumlab"
+    # the line `make lab` prints before starting names the notebook the workspace opens
+    makefile = (ROOT / "Makefile").read_text()
+    assert "LAB_COPIES := my-notebooks\n" in makefile
+    assert "LAB_NOTEBOOK := $(LAB_COPIES)/00_start_here.ipynb\n" in makefile
+
+
+def test_check_and_test_run_the_smoke_check(tmp_path):
+    assert any(line.endswith("accumlab env --check") for line in dry_run(tmp_path, "check"))
+    assert any(line.endswith("accumlab env --check") for line in dry_run(tmp_path, "test"))
+
+
+def test_extras_split_the_course_from_the_test_tools():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!~ \[;]", dep)[0].lower() for dep in project["dependencies"]}
+    assert {"torch", "matplotlib", "ipywidgets"} <= names
+    extras = project["optional-dependencies"]
+    assert any(dep.startswith("jupyterlab") for dep in extras["lab"])
+    assert not any(dep.startswith(("pytest", "nbval", "ruff", "hypothesis")) for dep in extras["lab"])
+    assert {"pytest", "nbval", "ruff"} <= {re.split(r"[<>=!~ ]", d)[0] for d in extras["dev"]}
+
+
+def test_ci_installs_the_torch_on_disk_and_runs_make_test():
+    script = (ROOT / ".ci" / "run").read_text()
+    (install,) = [line for line in script.splitlines() if "pip install" in line]
+    assert '"torch==2.13.0"' in install and "index-url" not in install
+    assert re.search(r"^make test\b", script, re.MULTILINE)
+    assert "TORCH_INDEX" not in script  # never PyTorch's index (a CUDA or remote download)

@@ -1,0 +1,109 @@
+"""The course's two times (the core path, everything) come from the notebooks by one formula
+(tools/course_time.py), the core path fits a half day, and every document that states the
+times states these.
+
+The formula's unit test counts a small notebook by hand, apart from the tool: 360 prose
+words are 2 minutes, 50 code lines 2 minutes, an exercise 15 and a prediction 2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+CORE_LIMIT_MINUTES = 240  # a half day: the core path must fit in 4 hours
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("course_time", REPO / "tools" / "course_time.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["course_time"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _md(text: str) -> dict:
+    return {"cell_type": "markdown", "metadata": {}, "source": text}
+
+
+def _code(text: str, **extra) -> dict:
+    return {"cell_type": "code", "metadata": {}, "source": text, "outputs": [], "execution_count": 1, **extra}
+
+
+def _words(n: int) -> str:
+    return " ".join(["word"] * n)
+
+
+def _lines(n: int) -> str:
+    return "\n".join(f"x{i} = {i}" for i in range(n))
+
+
+def test_the_formula_on_a_notebook_counted_by_hand(tool, tmp_path):
+    cells = [
+        _code("print('install')\n" * 40, id="accumlab-install"),  # never counted
+        _md("# Title\n" + _words(179)),  # 180 words with the title (its # is not a word)
+        _code(_lines(25) + "\n\n\n"),  # blank lines are not code
+        _md("## 1. Core\n" + _words(178)),
+        _code("ex00.accumulation_steps.check(a)\nex00.accumulation_steps.check(b)"),  # one exercise
+        _code("ex00.update_attempts.check(p)"),  # a prediction
+        _md("## Deep dive: the details\n" + _words(356)),  # 360 words outside the core
+        _md("### still inside\n" + _words(178)),
+        _code(_lines(48) + "\nex00.replicas.check(r)"),
+        _md("## 2. Back in the core\n"),  # 5 words
+        _code(_lines(24)),
+    ]
+    path = tmp_path / "00_start_here.ipynb"
+    path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    nb = tool.measure(path)
+    # core: 180 + 180 + 5 words = 365; 25 + 2 + 1 + 24 = 52 lines; 1 exercise, 1 prediction
+    assert nb.core.words == 180 + 180 + 5
+    assert nb.core.code_lines == 25 + 2 + 1 + 24
+    assert nb.core.exercises == {"ex00.accumulation_steps"}
+    assert nb.core.predictions == {"ex00.update_attempts"}
+    assert nb.core.minutes == pytest.approx(365 / 180 + 52 / 25 + 15 + 2)
+    # everything adds the deep dive: 360 + 180 words, 49 lines, one more exercise
+    assert nb.everything.words == 365 + 360 + 180
+    assert nb.everything.code_lines == 52 + 49
+    assert nb.everything.exercises == {"ex00.accumulation_steps", "ex00.replicas"}
+    assert nb.everything.minutes == pytest.approx(905 / 180 + 101 / 25 + 30 + 2)
+
+
+def test_hours_rounds_to_five_minutes(tool):
+    assert tool.hours(232.4) == "3 h 50 min"
+    assert tool.hours(242.6) == "4 h 05 min"
+    assert tool.hours(41) == "40 min"
+    assert tool.hours(600) == "10 h 00 min"
+
+
+def test_a_check_of_something_that_is_not_an_exercise_is_refused(tool, tmp_path):
+    path = tmp_path / "00_x.ipynb"
+    path.write_text(json.dumps({"cells": [_code("ex00.describe.check(1)")], "metadata": {},
+                                "nbformat": 4, "nbformat_minor": 5}))
+    with pytest.raises(AttributeError):
+        tool.measure(path)
+
+
+def test_the_core_path_fits_a_half_day(tool):
+    notebooks, core, _ = tool.course_time(NOTEBOOKS)
+    assert core.minutes <= CORE_LIMIT_MINUTES, [(nb.name, round(nb.core.minutes)) for nb in notebooks]
+
+
+def test_every_notebook_has_a_core_exercise_or_prediction(tool):
+    for nb in tool.course_time(NOTEBOOKS)[0]:
+        assert nb.core.exercises or nb.core.predictions, nb.name
+
+
+@pytest.mark.parametrize("document", ["README.md", "docs/WORKSHOP.md"])
+def test_the_documents_state_the_measured_times(tool, document):
+    _, core, everything = tool.course_time(NOTEBOOKS)
+    text = (REPO / document).read_text(encoding="utf-8")
+    assert f"{tool.hours(core.minutes)} for the core path" in text, (document, tool.hours(core.minutes))
+    assert f"{tool.hours(everything.minutes)} for everything" in text, (
+        document, tool.hours(everything.minutes))
