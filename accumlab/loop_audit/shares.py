@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..least_squares import least_squares
 from ..objectives import NextTokenLoss
 from .controlled_set import _TOL, RowKey, _Row
 from .watch import _flat_grad, _Watch
@@ -143,18 +144,6 @@ def _weightings(
     return out
 
 
-def _fit(grad: Tensor, basis: Sequence[Tensor]) -> tuple[list[float], float]:
-    """Least-squares ``grad ≈ Σ shares[j] × basis[j]``: the shares and the relative residual
-    (0 for a zero gradient, 1 when there is nothing to explain it with)."""
-    if float(grad.norm()) == 0.0:
-        return [0.0] * len(basis), 0.0
-    if not basis:
-        return [], 1.0
-    matrix = torch.stack(list(basis), dim=1)
-    shares = torch.linalg.lstsq(matrix, grad[:, None], driver="gelsd").solution[:, 0]
-    return shares.tolist(), float((matrix @ shares - grad).norm() / grad.norm())
-
-
 def _near(x: float, y: float) -> bool:
     return abs(x - y) <= _TOL * max(abs(x), abs(y), 1e-12)
 
@@ -224,9 +213,9 @@ class _Shares:
         weights = [0.0] * len(self.rows[k])
         carried, residual = 0.0, 0.0
         for s in steps:
-            shares, r = _fit(self.watch.steps[s].grad, basis)
-            residual = max(residual, r)
-            for (key, _), x in zip(columns, shares, strict=True):
+            fit = least_squares(self.watch.steps[s].grad, basis)
+            residual = max(residual, fit.residual)
+            for (key, _), x in zip(columns, fit.coefficients, strict=True):
                 if key[0] == k:
                     weights[index[key]] += x
                 else:
