@@ -200,6 +200,15 @@ MISTAKES: dict[str, Mistake] = {
         "clear the gradients once per window: before its first microbatch or right after "
         "optimizer.step(), never between two backward passes of the same window",
     ),
+    "clip_per_microbatch": _loop(
+        "the gradient is clipped after every backward pass, on partial sums of the window's "
+        "gradient: the combined gradient is not what is clipped, and each later clip shrinks "
+        "the earlier microbatches again",
+        "later microbatches weigh more than earlier ones in every update (the first can "
+        "nearly vanish), and the update depends on the order of the microbatches and on A",
+        "clip once per window, after the last microbatch's backward pass (after unscale_ "
+        "with a GradScaler), right before optimizer.step()",
+    ),
     "no_update": _loop(
         "optimizer.step() is not called in the window",
         "accumulation with no effect: the weights and the loss do not move",
