@@ -3,8 +3,8 @@
 Each name in :data:`MISTAKES` has a :class:`Mistake`: its cause (what the code does), the
 symptom a user sees in a real run, the fix, and which audits can report it —
 ``"loop"`` (:func:`accumlab.audit`, a window loop on a controlled set) and ``"trainer"``
-(:func:`accumlab.hf.audit_trainer`, a Hugging Face ``Trainer`` job). A report names
-mistakes in the table's order; :func:`reported_by` gives an audit's names in that order.
+(:func:`accumlab.hf.audit_trainer`, a Hugging Face ``Trainer`` job). :func:`reported_by`
+gives an audit's names in the table's order, the order the loop audit's report lists them.
 
 The Trainer audit's split-invariance check (the job's own gradient for the same examples
 under several splits) names a factor of exactly ``1/A`` ``double_division``, a factor of
@@ -47,7 +47,7 @@ def _trainer(cause: str, symptom: str, fix: str) -> Mistake:
     return Mistake(cause, symptom, fix, frozenset({"trainer"}))
 
 
-#: Every mistake either audit can name, in the order a report lists them.
+#: Every mistake either audit can name, in the order the loop audit's report lists them.
 MISTAKES: dict[str, Mistake] = {
     "double_division": _both(
         "the loss is divided twice: by the window's count and again, by A or by another "

@@ -86,8 +86,9 @@ class AuditReport:
     """The verdict of :func:`audit`.
 
     ``mistakes``: names of the shared table :data:`accumlab.mistakes.MISTAKES` that the
-    loop audit reports, in the table's order; ``evidence[name]``: what was measured for it. ``other``: findings outside that vocabulary (gradients carried over
-    from an earlier window, a scheduler that never advances, an update nothing explains).
+    loop audit reports, in the table's order; ``evidence[name]``: what was measured for
+    it. ``other``: findings outside that vocabulary (gradients carried over from an earlier
+    window, a scheduler that never advances, an update nothing explains).
     ``ok`` is True when both are empty and every window's update matches the correct one
     within :data:`AUDIT_TOLERANCE`. ``str(report)`` gives, per mistake, the evidence, the
     symptom a user would see in a real run, and the fix, then two paragraphs that explain

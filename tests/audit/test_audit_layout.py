@@ -1,11 +1,12 @@
 """The loop audit's place in the layers, read from the source with ``ast``: it imports the
 core's objectives and the two modules it shares with the Trainer audit (the table of
 mistakes and the fit), which import nothing above torch; its ``__init__`` re-exports
-nothing."""
+nothing; inside it each module imports only those its map lists before it."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "accumlab"
@@ -43,3 +44,19 @@ def test_the_shared_modules_are_leaves():
 def test_the_subpackage_init_re_exports_nothing():
     tree = ast.parse((PACKAGE / "loop_audit" / "__init__.py").read_text())
     assert [type(node).__name__ for node in tree.body] == ["Expr"]  # its docstring only
+
+
+def test_each_module_imports_only_the_ones_its_map_lists_before_it():
+    """The subpackage's docstring lists its modules in order (its map); each imports only
+    modules listed before it, so the subpackage has no import cycle."""
+    doc = ast.get_docstring(ast.parse((PACKAGE / "loop_audit" / "__init__.py").read_text()))
+    order = list(dict.fromkeys(re.findall(r":mod:`\.(\w+)`", doc)))
+    on_disk = {p.stem for p in (PACKAGE / "loop_audit").glob("*.py")} - {"__init__"}
+    assert sorted(order) == sorted(on_disk), "the map lists every module once"
+    for i, name in enumerate(order):
+        inside = {
+            m.removeprefix("accumlab.loop_audit.")
+            for m in _accumlab_imports(PACKAGE / "loop_audit" / f"{name}.py")
+            if m.startswith("accumlab.loop_audit.")
+        }
+        assert inside <= set(order[:i]), (name, sorted(inside - set(order[:i])))
