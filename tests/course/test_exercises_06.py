@@ -11,8 +11,9 @@ import torch
 from torch import Tensor, nn
 
 import accumlab as al
-from accumlab.course.data import VOCAB_SIZE, collate, load_examples
+from accumlab.course.data import VOCAB_SIZE, collate, load_examples, microbatches
 from accumlab.course.exercises import NOT_ATTEMPTED, ex06
+from accumlab.course.models import TinyGPT
 
 torch.set_num_threads(1)
 
@@ -153,10 +154,11 @@ def test_hints_and_solution_print(capsys: Any) -> None:
         (ex06.batchnorm_passes, 80, 640, "counts examples"),
         (ex06.batchnorm_passes, 80, 81, "count the forward passes"),
         (ex06.batchnorm_passes, 80, "80", "expected a number"),
-        (ex06.adamw_double_division, 1.0, 0.25, "SGD's figure"),
-        (ex06.adamw_double_division, 1.0, 4, "not too large"),
-        (ex06.adamw_double_division, 1.0, 0.5, "multiplied by a constant"),
-        (ex06.adamw_double_division, 1.0, None, NOT_ATTEMPTED),
+        (ex06.examples_at_16_updates, 128, 512, "what the A = 4 runs saw"),
+        (ex06.examples_at_16_updates, 128, 16, "the updates themselves"),
+        (ex06.examples_at_16_updates, 128, 64, "over the whole 512 examples"),
+        (ex06.examples_at_16_updates, 128, 100, "run the next cell"),
+        (ex06.examples_at_16_updates, 128, "128", "as a number"),
     ],
 )
 def test_predictions_pass_and_name_each_mistake(
@@ -169,21 +171,20 @@ def test_predictions_pass_and_name_each_mistake(
 
 
 def test_the_predictions_hold_for_what_the_notebook_computes() -> None:
-    # batchnorm_passes: 10 windows of 8 forward passes; adamw_double_division: Adam's first
-    # update does not change when the gradient is scaled by 1/A (up to eps).
+    # batchnorm_passes: BatchNorm counts one forward pass per microbatch, 8 per window of
+    # A = 8, over 10 windows. examples_at_16_updates: al.train at m = 8, A = 1 on 512
+    # examples, stopped after 16 updates, has read 16 loader batches of 8.
     torch.manual_seed(0)
     bn = nn.BatchNorm1d(3)
     for _ in range(10 * 8):
         bn(torch.randn(8, 3))
-    assert int(bn.num_batches_tracked) == 80
-    sizes = []
-    for scale in (1.0, 0.25):
-        w = nn.Parameter(torch.tensor([1.0, -2.0]))
-        opt = torch.optim.AdamW([w], lr=1e-3)
-        w.grad = scale * torch.tensor([0.3, 0.7])
-        opt.step()
-        sizes.append(float((w.detach() - torch.tensor([1.0, -2.0])).norm()))
-    assert abs(sizes[1] / sizes[0] - 1) < 0.05
+    assert int(bn.num_batches_tracked) == ex06.batchnorm_passes.answer
+    torch.manual_seed(0)
+    model = TinyGPT(VOCAB_SIZE, n_layer=1, n_embd=16)
+    ledger = al.train(model, microbatches(load_examples(limit=512), 8), torch.optim.SGD(
+        model.parameters(), lr=0.1), al.AccumulationPlan(8, 1), al.NextTokenLoss(),
+        max_updates=16, progress=False)
+    assert ledger.examples == ex06.examples_at_16_updates.answer
 
 
 # ---------------------------------------------------------------- in-batch negatives
@@ -269,7 +270,7 @@ def test_new_stubs_are_not_attempted(capsys: Any) -> None:
         raise NotImplementedError
 
     for exercise, answer in ((ex06.contrastive_window, stub), (ex06.batchnorm_passes, ...),
-                             (ex06.adamw_double_division, ...)):
+                             (ex06.examples_at_16_updates, ...)):
         assert not exercise.check(answer)
         out = capsys.readouterr().out
         assert out.startswith(f"○ {exercise.name}: {NOT_ATTEMPTED}")
@@ -284,6 +285,6 @@ def test_committed_notebook_ships_every_exercise_unsolved() -> None:
             "sequence_weighted_window": "ex06",
             "contrastive_window": "ex06",
             "batchnorm_passes": "ex06",
-            "adamw_double_division": "ex06",
+            "examples_at_16_updates": "ex06",
         },
     )

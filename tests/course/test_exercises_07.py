@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -36,7 +37,7 @@ def stub(model, optimizer, scheduler, window):
 
 
 def test_reference_passes(capsys):
-    assert ex07.fixed_window.check(ex07.reference_train_one_window) is True
+    assert ex07.fixed_window.check(ex07.reference_fixed_window) is True
     assert "✓ fixed_window: correct" in capsys.readouterr().out
 
 
@@ -174,11 +175,6 @@ def test_fixed_window_names_the_cells_above_and_the_log(capsys):
     assert "it returned a tensor" in capsys.readouterr().out
 
 
-def test_clinic_window_is_an_alias():
-    assert ex07.clinic_window is ex07.fixed_window
-    assert ex07.fixed_window.path == "ex07.fixed_window"
-
-
 def test_stub_is_not_attempted(capsys):
     assert ex07.fixed_window.check(stub) is False
     out = capsys.readouterr().out
@@ -194,8 +190,7 @@ def test_notebook_ships_the_exercise_unsolved():
     from helpers.notebook_exercises import assert_unsolved
 
     assert_unsolved("07_capstone.ipynb", {
-        "fixed_window": "ex07", "diagnose": "ex07", "updates_predicted": "ex07",
-        "ratio_predicted": "ex07", "rate_predicted": "ex07"})
+        "fixed_window": "ex07", "diagnose": "ex07", "updates_predicted": "ex07"})
 
 
 # ------------------------------------------------------------ diagnose (transfer)
@@ -336,11 +331,133 @@ def test_every_diagnose_case_is_what_the_reference_says():
 def test_predictions_pass_name_and_wait(capsys):
     for exercise, right, wrong, says in [
         (ex07.updates_predicted, 32, 64, "loader batches"),
-        (ex07.ratio_predicted, 0.25, 4, "the inverse"),
-        (ex07.rate_predicted, 0.0625, 0.025, "per-update schedule"),
+        (ex07.updates_predicted, 32, 128, "microbatches after the shrink"),
+        (ex07.updates_predicted, 32, 16, "the effective batch"),
     ]:
         assert exercise.check(right) is True
         assert exercise.check(wrong) is False
         assert says in capsys.readouterr().out
         assert exercise.check(...) is False
         assert NOT_ATTEMPTED in capsys.readouterr().out
+
+
+# ------------------------------------------------------------ the clinic's measurements
+# Loops written here, apart from the notebook's, each with a known effect on what its user
+# sees; the expected figures follow from the clinic's settings (A = 4, SGD at 0.1, warmup
+# 0.1 × min(1, (u + 1) / 8)), not from ex07.symptoms.
+
+
+def _sum_loss(model, mb):
+    logits = model(input_ids=mb["input_ids"]).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), mb["labels"][:, 1:].flatten(),
+                           ignore_index=-100, reduction="sum")
+
+
+def _count(window):
+    return sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in window)
+
+
+def _right(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    total, logged = _count(window), 0.0
+    for mb in window:
+        part = _sum_loss(model, mb)
+        (part / total).backward()
+        logged += float(part)
+    optimizer.step()
+    scheduler.step()
+    return logged / total
+
+
+def _twice(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    total, logged = _count(window), 0.0
+    for mb in window:
+        loss = _sum_loss(model, mb) / total / len(window)
+        loss.backward()
+        logged += float(loss)
+    optimizer.step()
+    scheduler.step()
+    return logged
+
+
+def _means(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    for mb in window:
+        (_sum_loss(model, mb) / _count([mb]) / len(window)).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+_kept = []
+
+
+def _keeps(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    for mb in window:
+        logits = model(input_ids=mb["input_ids"]).logits
+        _kept.append(logits[:, -1])  # a view: the logits and their graph stay alive
+        F.cross_entropy(logits[:, :-1].flatten(0, 1), mb["labels"][:, 1:].flatten(),
+                        ignore_index=-100, reduction="sum").div(_count(window)).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def _per_backward(model, optimizer, scheduler, window):
+    optimizer.zero_grad()
+    for mb in window:
+        (_sum_loss(model, mb) / _count(window)).backward()
+        scheduler.step()
+    optimizer.step()
+
+
+def _never_steps(model, optimizer, scheduler, window):
+    for mb in window:
+        (_sum_loss(model, mb) / _count(window)).backward()
+    scheduler.step()
+
+
+def test_symptoms_of_a_right_loop():
+    right = ex07.symptoms(_right)
+    # The log is the first window's token mean at the starting weights, computed here in
+    # one pass over the window's targets.
+    first = ex07.clinic_windows(1)[0]
+    model = ex07.clinic_model()
+    with torch.no_grad():
+        losses = torch.cat([F.cross_entropy(
+            model(input_ids=mb["input_ids"]).logits[:, :-1].flatten(0, 1),
+            mb["labels"][:, 1:].flatten(), ignore_index=-100, reduction="none")[
+                mb["labels"][:, 1:].flatten() != -100] for mb in first])
+    assert right.logged == pytest.approx(float(losses.mean()), rel=1e-5)
+    assert right.split_gap < 1e-4 and right.growth_bytes == 0
+    assert right.lr == pytest.approx(0.1 * 2 / 8)  # one scheduler.step: u = 1
+    assert float(right.update.abs().max()) > 0
+
+
+def test_symptoms_show_each_mistake():
+    right = ex07.symptoms(_right)
+    twice = ex07.symptoms(_twice)
+    assert twice.logged / right.logged == pytest.approx(0.25, rel=1e-5)
+    assert float(twice.update.norm() / right.update.norm()) == pytest.approx(0.25, rel=1e-4)
+    assert ex07.symptoms(_means).split_gap > 0.01
+    keeps = ex07.symptoms(_keeps)
+    _kept.clear()
+    assert keeps.growth_bytes > 0 and keeps.split_gap < 1e-4
+    assert ex07.symptoms(_per_backward).lr == pytest.approx(0.1 * 5 / 8)  # u = 4 after A = 4
+    never = ex07.symptoms(_never_steps)
+    assert float(never.update.abs().max()) == 0 and never.split_gap == 0
+
+
+def test_the_updates_prediction_holds_for_the_run():
+    # 512 examples at 16 per update, whatever m the first window shrinks to.
+    import accumlab as al
+    from accumlab.course.data import VOCAB_SIZE, load_examples, microbatches
+    from accumlab.course.models import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(VOCAB_SIZE, n_layer=1, n_embd=16)
+    plan = al.AccumulationPlan(micro_batch_size=4, accumulation_steps=4)
+    ledger = al.train(model, microbatches(load_examples(limit=512), 4),
+                      torch.optim.SGD(model.parameters(), lr=0.1), plan, al.NextTokenLoss(),
+                      progress=False)
+    assert ledger.update_attempts == ex07.updates_predicted.answer

@@ -28,8 +28,9 @@ a second division by the number of microbatches, ``zero_grad`` inside, a step in
   pass, a step inside and an empty ``.grad``.
 
 Two predict-first questions, answered with a number before the cell that shows it:
-``batchnorm_passes`` (forward passes BatchNorm counts in 10 updates at ``m = 8 × A = 8``)
-and ``adamw_double_division`` (AdamW's first update, divided twice, over the right one).
+``batchnorm_passes`` (``num_batches_tracked`` after 10 updates at ``m = 8 × A = 8``: one per
+forward pass) and ``examples_at_16_updates`` (the examples an ``A = 1`` run at ``m = 8`` has
+seen at its update 16, where the ``A = 4`` runs end).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from ...objectives import NextTokenLoss
 from ..data import VOCAB_SIZE, Example, collate
 from ..models import TinyGPT
 from . import Exercise, fills_grad_only
+from .predictions import number_prediction
 
 #: Relative tolerance of the checker: float32 accumulation order changes the last bits only.
 RTOL = 1e-4
@@ -248,24 +250,6 @@ def check_batchnorm_passes(answer: Any) -> str | None:
     return f"{value:g}: count the forward passes of 10 windows of A = 8 microbatches"
 
 
-def check_adamw_double_division(answer: Any) -> str | None:
-    """None when the prediction is 1 (within 0.05): a constant factor on the gradient
-    cancels in Adam's first update."""
-    value = _number(answer)
-    if isinstance(value, str):
-        return value
-    if abs(value - 1) <= 0.05:
-        return None
-    if abs(value - 0.25) <= 0.01:
-        return (
-            "0.25 is SGD's figure; Adam divides each entry by the root of its second moment, "
-            "so a constant factor on the gradient cancels (up to eps)"
-        )
-    if abs(value - 4) <= 0.05:
-        return "the gradient is A times too small, not too large; and Adam cancels the factor"
-    return f"{value:g}: what does Adam do to a gradient multiplied by a constant?"
-
-
 batchnorm_passes = Exercise(
     name="batchnorm_passes",
     checker=check_batchnorm_passes,
@@ -275,15 +259,17 @@ batchnorm_passes = Exercise(
     answer=80,
 )
 
-adamw_double_division = Exercise(
-    name="adamw_double_division",
-    checker=check_adamw_double_division,
-    hints=(
-        "Adam's first update is lr × m̂ / (√v̂ + eps) with m̂ = g and v̂ = g² at the first step.",
-    ),
-    reference="adamw_double_division = 1.0  # g / sqrt(g**2): the factor 1/A cancels (up to eps)",
-    kind="prediction",
-    answer=1.0,
+examples_at_16_updates = number_prediction(
+    __name__, "examples_at_16_updates", 128,
+    what="examples seen by the A = 1 run (m = 8, 8 examples per update) after 16 updates",
+    mistakes={512: "what the A = 4 runs saw in their 16 updates (32 examples each); the A = 1 "
+                   "run takes 8 per update",
+              16: "the updates themselves, not the examples they used",
+              64: "the A = 1 run's updates over the whole 512 examples"},
+    hints=("Examples per update = m × A; the A = 1 run uses 8 per update.",),
+    reasoning="The A = 1 run updates after every 8 examples (m = 8 × A = 1), so after 16 "
+              "updates it has seen 16 × 8 = 128 examples, a quarter of the 512 the A = 4 runs "
+              "have used by their update 16: the update axis compares unequal amounts of data.",
 )
 
 

@@ -1,8 +1,7 @@
 """Exercises for notebook 07 (the capstone: a real run, the audit, the clinic).
 
-- ``updates_predicted``, ``ratio_predicted``, ``rate_predicted`` (predict first): the update
-  attempts of the real run, the logged-loss ratio of a double division, the learning rate
-  after one window of a schedule stepped per backward pass.
+- ``updates_predicted`` (predict first): the update attempts of the real run, whose first
+  window shrinks from ``m = 8`` to ``m = 4``.
 - ``diagnose`` (transfer): ``diagnose(weights, targets, positions) -> str``. ``weights`` are
   the measured weights of one window's microbatch contributions in its update (1 = correct,
   as the audit reports them, with float rounding), ``targets`` and ``positions`` each
@@ -10,10 +9,9 @@
   the fingerprint shows: ``"ok"``, ``"double_division"``, ``"average_of_averages"``,
   ``"ignored_tokens_counted"`` or ``"missing_contributions"`` (a microbatch that reached the
   update with weight 0: cleared by ``zero_grad`` or never trained).
-- ``fixed_window`` (``clinic_window`` is the same exercise under its former name): write
-  ``fixed_window(model, optimizer, scheduler, window) -> float``, the notebook's
-  four-mistake ``review_window`` fixed, keeping its progress log: one update from one
-  window, for a causal language model called like a Hugging Face model
+- ``fixed_window``: write ``fixed_window(model, optimizer, scheduler, window) -> float``,
+  the notebook's four-mistake ``review_window`` fixed, keeping its progress log: one update
+  from one window, for a causal language model called like a Hugging Face model
   (``model(input_ids=..., attention_mask=...).logits``, or ``model(**mb).loss``).
   ``window`` is a list of microbatch dicts with ``input_ids``, ``attention_mask`` and
   unshifted ``labels`` (-100 where there is no target). The function makes exactly one
@@ -25,6 +23,10 @@
 The checker runs :func:`accumlab.audit` (the answer passes when the audit finds nothing;
 otherwise it names the mistakes it measured and the fix of the first one), then compares
 the returned float with the window's mean loss, then runs a window without targets.
+
+The clinic's run: :func:`symptoms` measures what the user of a window loop sees (its log,
+its first update, how the update depends on the split, the learning rate, the memory a
+window adds) on :func:`clinic_windows` from :func:`clinic_model`'s weights.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,12 +45,15 @@ from torch import Tensor, nn
 
 from ...loop_audit.controlled_set import AuditLM, audit_windows
 from ...loop_audit.run import audit
+from ...memory import MemoryMeter
 from ...mistakes import MISTAKES
+from ..data import VOCAB_SIZE, collate, load_examples, microbatches
+from ..models import TinyGPT
 from . import Exercise
 from .predictions import number_prediction
 
 
-def reference_train_one_window(
+def reference_fixed_window(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
@@ -164,7 +171,7 @@ def _logged_and_empty_window(answer: Any) -> str | None:
     return None
 
 
-def check_train_one_window(answer: Any) -> str | None:
+def check_fixed_window(answer: Any) -> str | None:
     """None when :func:`accumlab.audit` finds nothing wrong with ``answer``, it returns the
     window's mean loss as a float and skips a window without targets; else what is wrong."""
     if not callable(answer):
@@ -183,7 +190,7 @@ def check_train_one_window(answer: Any) -> str | None:
 
 fixed_window = Exercise(
     name="fixed_window",
-    checker=check_train_one_window,
+    checker=check_fixed_window,
     hints=(
         "Count the window's targets first, on the labels: (labels[:, 1:] != -100).sum() "
         "summed over the microbatches. A count of 0: return float('nan') at once.",
@@ -195,13 +202,99 @@ fixed_window = Exercise(
         "tensor and return float(running) / total, read once after the window; never keep "
         "the loss tensor itself.",
     ),
-    reference=inspect.getsource(reference_train_one_window),
+    reference=inspect.getsource(reference_fixed_window),
 )
 
-#: The exercise's former name (notebook 07 called its checker ``clinic_window`` while the
-#: learner's function was ``fixed_window``); kept so older copies of the notebook run.
-clinic_window = fixed_window
-reference_fixed_window = reference_train_one_window
+
+# ---------------------------------------------------------------- the clinic's run
+
+#: A window loop as the clinic and :func:`accumlab.audit` call it.
+WindowLoop = Callable[[nn.Module, torch.optim.Optimizer, Any, list], Any]
+#: The clinic's windows start at this example of the shipped data (none of the real run's).
+CLINIC_START = 600
+
+
+def clinic_model() -> TinyGPT:
+    """The clinic's small GPT (1 block, 32 channels), the same weights at every call."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        return TinyGPT(VOCAB_SIZE, n_layer=1, n_embd=32)
+
+
+def clinic_windows(n: int = 4, m: int = 2, a: int = 4) -> list[list[dict[str, Tensor]]]:
+    """``n`` consecutive windows of ``a`` microbatches of ``m`` examples of the shipped data,
+    from example :data:`CLINIC_START` on, in order."""
+    mbs = microbatches(load_examples()[CLINIC_START : CLINIC_START + n * m * a], m)
+    return [mbs[i : i + a] for i in range(0, len(mbs), a)]
+
+
+def _sgd_with_warmup(model: nn.Module) -> tuple[torch.optim.SGD, Any]:
+    """SGD at 0.1 times ``min(1, (u + 1) / 8)`` after ``u`` calls of ``scheduler.step()``."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: min(1, (u + 1) / 8))
+
+
+def _flat(model: nn.Module) -> Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@dataclass(frozen=True)
+class Symptoms:
+    """What the user of a window loop sees in the clinic's run (:func:`symptoms`).
+
+    ``logged``: what the loop returned for its first window (its progress log; ``None``
+    when it returns nothing). ``update``: the weight change of that first window, all
+    parameters flattened. ``split_gap``: the largest weight difference after one window of
+    the same 8 examples split 4 + 4 and 2 + 6, over the largest entry of the 4 + 4 update
+    (float rounding for a loop that is right). ``lr``: the learning rate after the first
+    window. ``growth_bytes``: the live bytes (a ``MemoryMeter`` on the CPU) each window
+    after the first adds, on average over windows 2 to 4.
+    """
+
+    logged: float | None
+    update: Tensor
+    split_gap: float
+    lr: float
+    growth_bytes: float
+
+
+def symptoms(loop: WindowLoop) -> Symptoms:
+    """Run ``loop`` as its user would and measure what shows: four windows of
+    :func:`clinic_windows` (``A = 4`` microbatches of 2 examples) from
+    :func:`clinic_model`'s weights with SGD at 0.1 and a warmup of 8 scheduler steps, then
+    one window of examples 600-607 split two ways. PyTorch's warning about a scheduler
+    stepped before the optimizer is silenced (the result shows the shift)."""
+    model = clinic_model()
+    optimizer, scheduler = _sgd_with_warmup(model)
+    start, meter = _flat(model), MemoryMeter("cpu")
+    with meter.track(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        first, *later = clinic_windows(4)
+        logged = loop(model, optimizer, scheduler, first)
+        update, lr = _flat(model) - start, optimizer.param_groups[0]["lr"]
+        live = []
+        for window in later:
+            loop(model, optimizer, scheduler, window)
+            live.append(meter.live_bytes)
+    examples = load_examples()
+    after = []
+    for cuts in ((0, 4, 8), (0, 2, 8)):
+        model = clinic_model()
+        window = [collate(examples[CLINIC_START + a : CLINIC_START + b])
+                  for a, b in zip(cuts, cuts[1:], strict=False)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            loop(model, *_sgd_with_warmup(model), window)
+        after.append(_flat(model))
+    split_update = float((after[0] - start).abs().max())  # 0 for a loop that never steps
+    split_gap = float((after[0] - after[1]).abs().max()) / split_update if split_update else 0.0
+    return Symptoms(
+        logged=None if logged is None else float(logged),
+        update=update,
+        split_gap=split_gap,
+        lr=lr,
+        growth_bytes=(live[-1] - live[0]) / (len(live) - 1),
+    )
 
 
 # ---------------------------------------------------------------- predict first
@@ -216,29 +309,6 @@ updates_predicted = number_prediction(
     reasoning="512 examples / (m × A × D = 16 examples per update) = 32 update attempts; the "
               "shrink to m = 4 doubles A and leaves the effective batch, so the count is "
               "unchanged.",
-)
-
-ratio_predicted = number_prediction(
-    __name__, "ratio_predicted", 0.25,
-    what="the logged loss of the double division / the correct logged loss, for A = 4",
-    mistakes={4: "the inverse: a second division makes the logged loss smaller",
-              1: "what a loop that divides once logs"},
-    hints=("Each logged part is divided by the window's targets and then once more by A.",),
-    reasoning="Every microbatch's logged part is divided by A = 4 on top of the window's "
-              "target count, so the sum is 1/4 of the correct mean.",
-)
-
-rate_predicted = number_prediction(
-    __name__, "rate_predicted", 0.0625,
-    what="the learning rate after the first window, lr 0.1 with a warmup of 8 updates",
-    mistakes={0.025: "the per-update schedule: one scheduler.step per window gives 2/8 × 0.1",
-              0.0125: "the starting rate, 1/8 × 0.1, before any scheduler.step",
-              0.1: "the end of the warmup, reached after 7 schedule steps"},
-    hints=("LambdaLR multiplies 0.1 by min(1, (u + 1) / 8), u = scheduler.step() calls so far.",
-           "One window of A = 4 microbatches calls scheduler.step() 4 times in this loop."),
-    reasoning="After one window the scheduler has stepped 4 times (once per backward pass): "
-              "u = 4, so the rate is 0.1 × (4 + 1) / 8 = 0.0625, what a per-update schedule "
-              "reaches only after 4 updates.",
 )
 
 # ---------------------------------------------------------------- diagnose (transfer)
