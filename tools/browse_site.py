@@ -24,8 +24,7 @@ And per issue 27's items:
 9. the landing page shows "Start lesson 00 →" in the first screen, the study time,
    Windows and the hosted option, and one search box at 1280 px;
 10. the exercise index lists every lesson; hints and solutions are folded until opened;
-    the copy button copies a code cell (read back from the clipboard);
-11. ○ ✓ ✗ are drawn from SVG (they show without an emoji font).
+    the copy button copies a code cell (read back from the clipboard).
 
 Screenshots (the top of each page, the landing page in full, a figure, a widget, math,
 code, an opened exercise, the search results) go to ``--shots``. Needs ``pip install
@@ -64,7 +63,7 @@ SCROLLING_CODE_JS = """() => [...document.querySelectorAll('.bd-article pre')]
 CUT_JS = """() => { const out = [];
   for (const e of document.querySelectorAll('.bd-article *')) {
     const r = e.getBoundingClientRect();
-    if (!r.width || r.right <= document.documentElement.clientWidth + 1 || e.closest('.MathJax_Display, .MathJax, .al-emoji')) continue;
+    if (!r.width || r.right <= document.documentElement.clientWidth + 1 || e.closest('.MathJax_Display, .MathJax')) continue;
     let scrolls = false;
     for (let a = e.parentElement; a && !a.matches('.bd-article'); a = a.parentElement) {
       if (['auto', 'scroll'].includes(getComputedStyle(a).overflowX)) { scrolls = true; break; }
@@ -125,7 +124,6 @@ def browse(site: Path, shots: Path, executable: str = CHROMIUM) -> list[str]:
                 failures += _check_downloads(context, base, kind, lessons)
                 failures += _check_name_links(context, base, kind)
                 failures += _check_exercises(context, base, kind, lessons, shots)
-                failures += _check_emoji(context, base, kind, shots)
                 for query, lesson, section in (("OOM", "05_", True), ("no_sync", "04_", True), ("GradScaler", "03_", False)):
                     failures += _check_search(context, base, kind, shots, query, lesson, section)
                 if kind == "phone":
@@ -361,34 +359,6 @@ def _check_exercises(context, base: str, kind: str, lessons: list[str], shots: P
         if copied.strip() != code.strip():
             failures.append(f"{kind} 01: the copy button copied {copied[:40]!r}, not the cell's code")
     page.close()
-    return failures
-
-
-def _check_emoji(context, base: str, kind: str, shots: Path) -> list[str]:
-    """Item 11: the checkers' marks are drawn from SVG, not from an emoji font."""
-    page = context.new_page()
-    page.goto(f"{base}/lessons/01_single_device_loop.html", wait_until="load")
-    marks = page.evaluate(
-        """() => [...document.querySelectorAll('.bd-article .al-emoji')].map(e => ({
-             bg: getComputedStyle(e).backgroundImage, w: e.getBoundingClientRect().width}))"""
-    )
-    bare = page.evaluate(
-        """() => { const w = document.createTreeWalker(document.querySelector('.bd-article'), NodeFilter.SHOW_TEXT);
-             let n = 0; while (w.nextNode()) { const t = w.currentNode;
-               if (/[○✓✗]/.test(t.textContent) && !t.parentElement.closest('.al-emoji')) n++; } return n; }"""
-    )
-    first = page.query_selector(".bd-article .al-emoji")
-    if first:
-        first.scroll_into_view_if_needed()
-        page.screenshot(path=shots / f"{kind}-emoji.png")
-    page.close()
-    failures = []
-    if not marks:
-        failures.append(f"{kind} 01: no checker mark (○ ✓ ✗) drawn")
-    if any("svg" not in m["bg"] or m["w"] < 8 for m in marks):
-        failures.append(f"{kind} 01: a checker mark without its SVG drawing")
-    if bare:
-        failures.append(f"{kind} 01: {bare} checker marks left to the emoji font")
     return failures
 
 

@@ -13,9 +13,10 @@ to update. While copying:
 - each lesson gets, under its title, what it teaches (README.md's course table) and a
   "Run this notebook" box: locally (``make lab``), in a hosted notebook service, as a
   download of the notebook as committed, and its exercises;
-- test machinery is hidden: ``# NBVAL_...`` marker lines, a cell that checks the
-  Makefile, the project's issue numbers in the docs;
-- every saved figure gets alt text (its title in the code, else the text above it);
+- every saved figure gets alt text: the cell's ``accumlab.alt`` metadata (what the figure
+  shows, written with the notebook), else its title in the code, else the text above it;
+- a cell whose outputs the notebook saves collapsed (``jupyter.outputs_hidden``: the answer
+  to a prediction) shows them folded, opened on a click;
 - under each exercise's checking cell, its hints and its solution, folded (<details>);
   exercises.md lists every exercise by lesson with what it practises;
 - the terms a lesson teaches (README.md's course table: code spans, OOM, DDP, ...) become
@@ -28,7 +29,7 @@ to update. While copying:
   that does not exist stops the build;
 - the landing page's lesson table is made from README.md's course table (what each
   lesson teaches) and docs/WORKSHOP.md's measured run-all time per notebook, and its study
-  time from docs/WORKSHOP.md.
+  times (the core path, everything) from the notebooks by tools/course_time.py's formula.
 
 tools/check_site.py then checks the built site (`make site` runs both).
 """
@@ -245,9 +246,13 @@ def run_all_times(workshop: str) -> dict[str, str]:
     return times
 
 
-def course_table(stems: list[str], titles: dict[str, str]) -> str:
+def course_table(stems: list[str], titles: dict[str, str], paths: list[Path]) -> str:
     """The landing page's table of the lessons (MyST Markdown): each lesson with what it
-    teaches (README.md) and its measured run-all time (docs/WORKSHOP.md)."""
+    teaches (README.md), its study time (the core path / everything, from the notebook by
+    tools/course_time.py) and its measured run-all time (docs/WORKSHOP.md)."""
+    from course_time import measure
+
+    study = {p.stem: measure(p) for p in paths}
     readme = course_rows((REPO / "README.md").read_text(encoding="utf-8"))
     times = run_all_times((REPO / "docs" / "WORKSHOP.md").read_text(encoding="utf-8"))
     # A new lesson is on the site as soon as its notebook is: where README.md or
@@ -260,10 +265,15 @@ def course_table(stems: list[str], titles: dict[str, str]) -> str:
             note(f"docs/WORKSHOP.md's run-all table has no time for {stem}")
             times[stem[:2]] = "not measured"
     # a list-table, for its class: on a phone accumlab.css lays each row out as a card
-    header = ["lesson", *readme[""], "run all"]
+    header = ["lesson", *readme[""], "study: core / all", "run all"]
     lines = [":::{list-table}", ":header-rows: 1", ":class: al-lessons", ""]
+
+    def minutes(stem: str) -> str:
+        return f"{study[stem].core.minutes:.0f} / {study[stem].everything.minutes:.0f}\u00a0min"
+
     for cells in [header] + [
-        [f"[{titles[stem]}]({LESSONS_DIR}/{stem}.ipynb)", *readme[stem], times[stem[:2]]] for stem in stems
+        [f"[{titles[stem]}]({LESSONS_DIR}/{stem}.ipynb)", *readme[stem], minutes(stem), times[stem[:2]]]
+        for stem in stems
     ]:
         lines += [f"* - {cells[0]}", *(f"  - {cell}" for cell in cells[1:])]
     lines.append(":::")
@@ -337,68 +347,36 @@ def run_box(
     return "\n".join(lines)
 
 
-# --- what the site hides: test machinery ----------------------------------------------------
-
-_NBVAL_LINE = re.compile(r"^[ \t]*#[ \t]*NBVAL_[A-Z_]+[ \t]*(?:\n|$)", re.MULTILINE)
-_NBVAL_ASIDE = re.compile(r"\s*\([^()]*NBVAL_[^()]*\)")
-_READS_MAKEFILE = re.compile(r"""["']Makefile["']""")
-_ISSUE_ASIDE = re.compile(r",\s*issue\s+\d+(?=\))|\s*\(issue\s+\d+\)", re.IGNORECASE)
-
-
-def hide_test_machinery(nb: dict) -> int:
-    """Strip what only the tests need from a lesson's copy: ``# NBVAL_...`` marker lines in
-    code (and Markdown asides about them), and a cell that checks the repository's Makefile
-    (with the sentence announcing it). Returns how many cells it hid."""
-    hidden = 0
-    for i, cell in enumerate(nb["cells"]):
-        if cell["cell_type"] == "markdown":
-            cell["source"] = _NBVAL_ASIDE.sub("", cell["source"])
-            continue
-        if cell["cell_type"] != "code":
-            continue
-        cell["source"] = _NBVAL_LINE.sub("", cell["source"])
-        if _READS_MAKEFILE.search(cell["source"]):
-            tags = cell.setdefault("metadata", {}).setdefault("tags", [])
-            tags.append("remove-cell")
-            hidden += 1
-            before = nb["cells"][i - 1] if i else None
-            if before and before["cell_type"] == "markdown":
-                paragraphs = before["source"].rstrip().split("\n\n")
-                if paragraphs[-1].lstrip().lower().startswith("the next cell"):
-                    before["source"] = "\n\n".join(paragraphs[:-1]) + "\n"
-    return hidden
-
-
-def hide_issue_numbers(markdown: str) -> str:
-    """Drop the project's issue numbers from prose ("(..., issue 11)"): a reader has no use
-    for them."""
-    return _ISSUE_ASIDE.sub("", markdown)
-
-
 # --- figures: alt text ---------------------------------------------------------------------
 
 _TITLE_ARG = re.compile(r"""(?:\btitle\s*=|set_title\(|suptitle\(|plt\.title\()\s*f?(["'])(?P<t>.+?)\1""")
 
 
 def _plain(markdown: str) -> str:
+    """Markdown as plain text: math, links, code marks, emphasis and tags removed; an
+    underscore inside a word (``window_boundary``) stays."""
     text = re.sub(r"\$+([^$]*)\$+", r"\1", markdown)
     text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)
-    text = re.sub(r"[`*_#]|<[^>]+>", "", text)
+    text = re.sub(r"<[^>]+>|[`*#]|(?<!\w)_+|_+(?!\w)", "", text)
     return " ".join(text.split())
 
 
 def _first_sentence(text: str, limit: int = 220) -> str:
+    text = re.sub(r"^\d+[a-z]?\.\s+", "", text)  # a section number is not a sentence
     sentence = re.split(r"(?<=[.:!?])\s", text, maxsplit=1)[0].rstrip(":")
     return sentence if len(sentence) <= limit else sentence[: limit - 1].rsplit(" ", 1)[0] + "…"
 
 
-def figure_alt(source: str, before: str, section: str) -> str:
-    """Alt text for a figure a code cell draws: its title in the code (``title=``,
-    ``set_title``, ``suptitle``), else the first sentence of the Markdown just above it;
-    with the section it belongs to."""
+def figure_alt(source: str, before: str, section: str, given: str = "") -> str:
+    """Alt text for a figure a code cell draws: ``given`` (the cell's ``accumlab.alt``
+    metadata) when set, else its title in the code (``title=``, ``set_title``,
+    ``suptitle``; an f-string's fields by their expressions), else the first sentence of the
+    Markdown just above it; with the section it belongs to."""
     found = _TITLE_ARG.search(source)
-    if found:
-        what = re.sub(r"\{[^}]*\}", "…", found.group("t"))
+    if given:
+        what = given.rstrip(".")
+    elif found:
+        what = re.sub(r"\{([^}:!]*)[^}]*\}", lambda m: m.group(1).strip(), found.group("t"))
     else:
         what = _first_sentence(_plain(before)) or "a figure"
     where = f" (section “{_plain(section)}”)" if section else ""
@@ -418,10 +396,27 @@ def add_figure_alts(nb: dict) -> int:
             continue
         images = [o for o in cell.get("outputs", []) if {"image/png", "image/jpeg"} & set(o.get("data", {}))]
         if images:
-            alt = figure_alt(cell["source"], before, section)
-            cell.setdefault("metadata", {}).setdefault("mystnb", {}).setdefault("image", {})["alt"] = alt
+            metadata = cell.setdefault("metadata", {})
+            given = metadata.get("accumlab", {}).get("alt", "")
+            alt = figure_alt(cell["source"], before, section, given)
+            metadata.setdefault("mystnb", {}).setdefault("image", {})["alt"] = alt
             count += 1
     return count
+
+
+def fold_collapsed_outputs(nb: dict) -> int:
+    """Tag ``hide-output`` (myst-nb folds the output behind a click) on every code cell the
+    notebook saves with its outputs collapsed (``metadata.jupyter.outputs_hidden``, what
+    JupyterLab shows as a bar to click: the reveal after a prediction); returns how many."""
+    folded = 0
+    for cell in nb["cells"]:
+        metadata = cell.get("metadata", {})
+        if cell["cell_type"] == "code" and metadata.get("jupyter", {}).get("outputs_hidden"):
+            tags = metadata.setdefault("tags", [])
+            if "hide-output" not in tags:
+                tags.append("hide-output")
+            folded += 1
+    return folded
 
 
 # --- exercises -----------------------------------------------------------------------------
@@ -597,8 +592,8 @@ def add_search_terms(nb: dict, terms: list[str]) -> None:
 def _lesson(
     path: Path, pages: dict[str, str], repository: str, teaches: str = ""
 ) -> tuple[dict, list[dict]]:
-    """A lesson's copy for the site, and its exercises: links rewritten, test machinery
-    hidden, figures with alt text, the run box under the title, hints and solutions folded
+    """A lesson's copy for the site, and its exercises: links rewritten, collapsed outputs
+    folded, figures with alt text, the run box under the title, hints and solutions folded
     under each exercise, its terms marked for search."""
     nb = read_notebook(path)
     origin, dest = f"notebooks/{path.name}", pages[f"notebooks/{path.name}"]
@@ -609,7 +604,7 @@ def _lesson(
     for cell in nb["cells"]:
         if cell["cell_type"] == "markdown":
             cell["source"] = rewrite_links(cell["source"], origin, dest, pages, repository)
-    hide_test_machinery(nb)
+    fold_collapsed_outputs(nb)
     add_figure_alts(nb)
     exercises = lesson_exercises(path.stem, nb)
     for ex in sorted(exercises, key=lambda e: e["cell"], reverse=True):
@@ -769,12 +764,14 @@ def exercise_reference() -> str:
     )
 
 
-def study_time(workshop: str) -> str:
-    """The self-paced study time docs/WORKSHOP.md states ("about 5.5–7 hours")."""
-    match = re.search(r"about (\d+(?:\.\d+)?\s*[–-]\s*\d+(?:\.\d+)?)\s*(hours|h)\b", workshop)
-    if not match:
-        raise SiteError("docs/WORKSHOP.md no longer states the self-paced time ('about N–M hours')")
-    return f"{match.group(1)} hours"
+def study_time(notebooks: list[Path]) -> str:
+    """The two study times, computed from the notebooks (tools/course_time.py): "3 h 45 min
+    for the core path, 9 h 50 min for everything" (README.md and docs/WORKSHOP.md state the
+    same, tests/notebooks/test_course_time.py checks)."""
+    from course_time import course_time, hours
+
+    _, core, everything = course_time(notebooks)
+    return f"{hours(core.minutes)} for the core path, {hours(everything.minutes)} for everything"
 
 
 def assemble(dest: Path = BUILD_SRC, notebooks: Path = REPO / "notebooks") -> list[str]:
@@ -805,22 +802,21 @@ def assemble(dest: Path = BUILD_SRC, notebooks: Path = REPO / "notebooks") -> li
         (dest / LESSONS_DIR / path.name).write_text(json.dumps(nb, indent=1, ensure_ascii=False), encoding="utf-8")
         shutil.copy2(path, dest / DOWNLOADS_DIR / path.name)  # the download: the notebook as committed
     for origin, page in DOC_PAGES.items():
-        text = hide_issue_numbers((REPO / origin).read_text(encoding="utf-8"))
+        text = (REPO / origin).read_text(encoding="utf-8")
         (dest / page).parent.mkdir(parents=True, exist_ok=True)
         (dest / page).write_text(rewrite_links(text, origin, page, pages, repository), encoding="utf-8")
     (dest / EXERCISES_PAGE).write_text(exercises_page(listed), encoding="utf-8")
 
-    workshop = (REPO / "docs" / "WORKSHOP.md").read_text(encoding="utf-8")
     index = (dest / "index.md").read_text(encoding="utf-8")
     fill = {
-        "{{COURSE_TABLE}}": course_table(stems, titles),
+        "{{COURSE_TABLE}}": course_table(stems, titles, paths),
         "{{LESSON_ENTRIES}}": "\n".join(f"{LESSONS_DIR}/{s}" for s in stems),
         "{{QUICK_START}}": quick_start(readme),
         "{{FIRST_LESSON}}": f"{LESSONS_DIR}/{stems[0]}.ipynb",
         "{{FIRST_NUMBER}}": stems[0][:2],
         "{{LESSON_COUNT}}": str(len(stems)),
         "{{LESSON_COUNT_WORD}}": _count_word(len(stems)),
-        "{{STUDY_TIME}}": study_time(workshop),
+        "{{STUDY_TIME}}": study_time(paths),
         "{{EXERCISE_COUNT}}": str(sum(len(ex) for _, _, ex in listed)),
     }
     for key, value in fill.items():

@@ -26,9 +26,11 @@ Fails (exit 1, one line per problem) unless:
   subpackage's ``__all__``, the course helpers' functions and classes, every exercise;
 - every exercise a notebook checks is listed in exercises.html with a link to its lesson,
   and its lesson page folds its hints and solution;
-- no test machinery on a lesson page (``NBVAL_`` markers, 00's Makefile check) and no
-  issue number on any page; ○ ✓ ✗ only inside the spans that draw them from SVG;
-- the landing page has a "Start lesson 00 →" link and the study time.
+- no test machinery on a lesson page (``NBVAL_`` markers, a Makefile check) and no
+  issue number on any page;
+- a prediction's reveal (a cell saved with its outputs collapsed) is folded on its page;
+- the landing page has a "Start lesson 00 →" link and the study times computed from the
+  notebooks (tools/course_time.py).
 
 It reads files only: no browser, no network (tools/browse_site.py is the browser check).
 """
@@ -53,13 +55,12 @@ from urllib.parse import unquote, urlsplit
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
-from build_site import LESSONS_DIR, OUT, TEACHES_LOOP  # noqa: E402
+from build_site import LESSONS_DIR, OUT, TEACHES_LOOP, study_time  # noqa: E402
 
 NOTEBOOKS = REPO / "notebooks"
 PHONE_PX = 390
 _RAW_TEX = re.compile(r"\$\$|\\frac\b|\\text\{|\\times\b")
 _HASHED_ALT = re.compile(r"[0-9a-f]{16,}|\.(?:png|jpe?g|svg)$", re.IGNORECASE)
-_EMOJI = "○✓✗"
 
 
 # accumlab.css gives these overflow-x: auto (a saved widget's own HTML table)
@@ -260,10 +261,6 @@ def _extended_checks(site: Path, pages: dict[str, _Page], stems: list[str]) -> l
             problems.append(f"{name}: a link into _sources/, which the site does not copy")
     for name in content:
         body = (site / name).read_text(encoding="utf-8")
-        bare = re.sub(r'<span class="al-emoji[^"]*"[^>]*>[' + _EMOJI + "]</span>", "", body)
-        bare = re.sub(r"<script.*?</script>", "", bare, flags=re.S)
-        if any(ch in bare for ch in _EMOJI):
-            problems.append(f"{name}: ○ ✓ ✗ outside the spans that draw them (an emoji font would be needed)")
         if "class=\"math" in body and not any("mathjax/MathJax.js" in s for s in pages[name].scripts):
             problems.append(f"{name}: has math but does not load the site's own MathJax")
 
@@ -293,6 +290,10 @@ def _extended_checks(site: Path, pages: dict[str, _Page], stems: list[str]) -> l
         lesson = f"{LESSONS_DIR}/{stem}.html"
         if listing is None or not any(urlsplit(u).path == lesson for u in listing.links):
             problems.append(f"exercises.html does not list lesson {stem}")
+        folded = (site / lesson).read_text(encoding="utf-8").count("hide below-input") if lesson in pages else 0
+        if folded < collapsed_reveals(path):
+            problems.append(f"{lesson}: {collapsed_reveals(path)} collapsed outputs in the notebook, "
+                            f"{folded} folded on the page (a prediction's answer in view)")
         for exercise in notebook_exercises(path):
             if exercise not in listed_text:
                 problems.append(f"exercises.html does not list {exercise} of lesson {stem}")
@@ -307,9 +308,22 @@ def _extended_checks(site: Path, pages: dict[str, _Page], stems: list[str]) -> l
             r'href="' + re.escape(start) + r'"[^>]*class="[^"]*al-start', body
         ):
             problems.append(f"index.html has no 'Start lesson {stems[0][:2] if stems else ''} →' link to {start}")
-        if not re.search(r"\d\s*hours", " ".join(index.text)):
-            problems.append("index.html does not give the study time (hours)")
+        said = " ".join(" ".join(index.text).split())
+        times = study_time([NOTEBOOKS / f"{stem}.ipynb" for stem in stems])
+        if times not in said:
+            problems.append(f"index.html does not give the study time ({times})")
     return problems
+
+
+def collapsed_reveals(path: Path) -> int:
+    """How many code cells a notebook saves with their outputs collapsed (the reveal after a
+    prediction: ``metadata.jupyter.outputs_hidden``)."""
+    return sum(
+        1
+        for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]
+        if cell.get("cell_type") == "code" and cell.get("outputs")
+        and cell.get("metadata", {}).get("jupyter", {}).get("outputs_hidden")
+    )
 
 
 def _search_index(site: Path) -> dict:

@@ -95,45 +95,24 @@ def test_make_site_on_a_damaged_notebook_prints_one_line_not_a_traceback(tmp_pat
     assert not (tmp_path / "site").exists()
 
 
-# --- item 8: test machinery hidden ---------------------------------------------------------
+# --- alt text --------------------------------------------------------------------------------
 
 
-def test_nbval_markers_and_the_makefile_check_are_hidden_from_the_page():
-    nb = build_site.read_notebook(REPO / "notebooks" / "00_start_here.ipynb")
-    makefile_cells = [c for c in nb["cells"] if c["cell_type"] == "code" and "Makefile" in c["source"]]
-    assert build_site.hide_test_machinery(nb) == len(makefile_cells) >= 1
-    for cell in nb["cells"]:
-        assert "NBVAL_" not in cell["source"]
-        if cell in makefile_cells:
-            assert "remove-cell" in cell["metadata"]["tags"]
-    text = "\n".join(c["source"] for c in nb["cells"] if c["cell_type"] == "markdown")
-    assert "The next cell checks that the Makefile" not in text
-    assert "so its output is not compared when the notebook is tested, but it still asserts" in text
-
-
-def test_a_code_line_that_only_mentions_nbval_inside_code_is_kept():
-    nb = {"cells": [{"cell_type": "code", "metadata": {}, "source": '# NBVAL_IGNORE_OUTPUT\nprint("NBVAL_ in a string")\n'}]}
-    build_site.hide_test_machinery(nb)
-    assert nb["cells"][0]["source"] == 'print("NBVAL_ in a string")\n'
-
-
-def test_issue_numbers_leave_the_prose():
-    text = "take about 5.5–7 hours (the estimate of the course review, issue 11), so"
-    assert build_site.hide_issue_numbers(text) == "take about 5.5–7 hours (the estimate of the course review), so"
-    assert build_site.hide_issue_numbers("fixed (issue 27) here") == "fixed here"
-
-
-# --- item 7: alt text ------------------------------------------------------------------------
-
-
-def test_a_figure_is_described_by_its_title_else_by_the_text_above_it():
+def test_a_figure_is_described_by_its_alt_text_else_its_title_else_the_text_above_it():
     assert build_site.figure_alt('ax.set_title("same window, two clipping rules")', "", "4. Clip") == (
         "Figure: same window, two clipping rules (section “4. Clip”)"
     )
-    alt = build_site.figure_alt('plot(x, title=f"bf16, batch {plan.b}")', "", "")
-    assert alt == "Figure: bf16, batch …"
-    alt = build_site.figure_alt("meter.plot()", "Peak memory per phase: `m` grows. More text.", "## 2. Peak")
+    alt = build_site.figure_alt('plot(x, title=f"bf16, batch {plan.b:.2f}")', "", "")
+    assert alt == "Figure: bf16, batch plan.b"  # a field by its expression, not an ellipsis
+    alt = build_site.figure_alt("draw()", "Peak memory per phase: `m` grows. More text.", "## 2. Peak")
     assert alt == "Figure: Peak memory per phase (section “2. Peak”)"
+    alt = build_site.figure_alt("draw()", "9. Putting it together: a tiny GPT trains.", "")
+    assert alt == "Figure: Putting it together"  # a section number is not the sentence
+    given = "Peak memory against m: it grows with m, accumulation keeps it flat."
+    assert build_site.figure_alt('ax.set_title("x")', "", "1. Why", given) == (
+        "Figure: Peak memory against m: it grows with m, accumulation keeps it flat (section “1. Why”)"
+    )
+    assert build_site.figure_alt("draw()", "", "5. `window_boundary`") == "Figure: a figure (section “5. window_boundary”)"
 
 
 def test_every_saved_figure_of_the_course_gets_alt_text():
@@ -146,7 +125,7 @@ def test_every_saved_figure_of_the_course_gets_alt_text():
                 assert alt.startswith("Figure: ") and len(alt) > 20, (stem, alt)
 
 
-# --- item 10: exercises ---------------------------------------------------------------------
+# --- exercises -----------------------------------------------------------------------------
 
 
 def test_each_lesson_lists_every_exercise_its_notebook_checks_with_hints_and_solution():
@@ -182,7 +161,7 @@ def test_the_exercise_index_links_each_exercise_to_its_section():
     assert "[`ex01.accumulate_from_means`](lessons/01_single_device_loop.ipynb#10-exercise-accumulate-from-mean-losses)" in page
 
 
-# --- item 5: search -------------------------------------------------------------------------
+# --- search ---------------------------------------------------------------------------------
 
 
 def test_the_terms_a_lesson_teaches_come_from_its_readme_row():
@@ -204,7 +183,7 @@ def test_a_term_is_indexed_at_the_first_section_that_uses_it_or_its_synonym():
     assert "index" not in nb["cells"][0]["source"] + nb["cells"][1]["source"]
 
 
-# --- item 4: the reference ------------------------------------------------------------------
+# --- the reference ------------------------------------------------------------------
 
 
 def test_the_reference_names_a_subpackage_it_cannot_import_instead_of_crashing(monkeypatch):
@@ -240,15 +219,7 @@ def test_names_in_the_lessons_text_resolve_to_their_reference_entry():
         assert accumlab_site.target_of(text, targets) is None, text
 
 
-# --- items 7 and 11: figures open full size, marks without an emoji font -------------------
-
-
-def test_marks_are_wrapped_in_text_but_never_inside_a_tag():
-    body = '<pre title="✓">✓ ok ✗ wrong ○ waiting</pre>'
-    out = accumlab_site.mark_emoji(body)
-    assert out.startswith('<pre title="✓">')
-    assert out.count('class="al-emoji') == 3
-    assert re.sub(r"<[^>]+>", "", out) == "✓ ok ✗ wrong ○ waiting"  # the characters stay, for copying
+# --- figures open full size -------------------------------------------------------------
 
 
 def test_saved_figures_link_to_themselves_and_other_images_do_not():
@@ -258,7 +229,7 @@ def test_saved_figures_link_to_themselves_and_other_images_do_not():
     assert out.count("<a ") == 1
 
 
-# --- item 6: make site takes PyTorch's CPU build on a fresh clone --------------------------
+# --- make site takes PyTorch's CPU build on a fresh clone --------------------------
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")

@@ -3,8 +3,6 @@
 - ipywidgets drawn from their saved state (below);
 - names of the package in the lessons' code spans (```al.train_window```,
   ```accumlab.MemoryMeter```, ```ex01.adamw_ratio.check```) link to the API reference;
-- the status marks ○ ✓ ✗ of the checkers are drawn from small SVGs, so they show on a
-  machine without an emoji font (the character stays in the text for copy and search);
 - a saved figure opens full size when tapped (a link to the image itself);
 - MathJax 2 from the ``jupyter-server-mathjax`` package is copied into the site.
 
@@ -257,26 +255,9 @@ class LinkPublicNames(SphinxTransform):
             ref += node
 
 
-# --- ○ ✓ ✗ without an emoji font, figures full size ----------------------------------------
+# --- figures full size -------------------------------------------------------------------
 
-EMOJI = {"○": ("waiting", "not attempted yet"), "✓": ("ok", "correct"), "✗": ("wrong", "wrong")}
-_TAG_OR_TEXT = re.compile(r"(<[^>]*>)")
 _OUTPUT_IMG = re.compile(r'(<img\b[^>]*\bsrc="(?P<src>[^"]*_images/[^"]+)"[^>]*>)')
-
-
-def mark_emoji(body: str) -> str:
-    """Each ○ ✓ ✗ in the text of ``body`` (never inside a tag) wrapped in a span that CSS
-    draws from an SVG; the character stays inside for copying and searching."""
-    parts = _TAG_OR_TEXT.split(body)
-    for i in range(0, len(parts), 2):  # even parts are text, odd parts are tags
-        text = parts[i]
-        for char, (kind, label) in EMOJI.items():
-            if char in text:
-                text = text.replace(
-                    char, f'<span class="al-emoji al-emoji-{kind}" role="img" aria-label="{label}">{char}</span>'
-                )
-        parts[i] = text
-    return "".join(parts)
 
 
 def link_figures(body: str) -> str:
@@ -290,7 +271,7 @@ def link_figures(body: str) -> str:
 
 def _page_context(app: Sphinx, pagename: str, templatename: str, context: dict, doctree: Any) -> None:
     if "body" in context:
-        context["body"] = link_figures(mark_emoji(context["body"]))
+        context["body"] = link_figures(context["body"])
 
 
 # --- MathJax from the jupyter-server-mathjax package ----------------------------------------
