@@ -113,7 +113,7 @@ lab: $(VENV)/.installed-lab
 # copy is saved in $(LAB_COPIES)/backups/ under a name no file has, and the line printed
 # says so.
 restore:
-	@$(PYTHON) tools/learner_copies.py restore $(NB)
+	@$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) tools/learner_copies.py restore $(NB)
 
 check: $(VENV)/.installed-core
 	@$(TIMED) "smoke check" $(BIN)/accumlab env --check

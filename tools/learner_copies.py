@@ -13,7 +13,14 @@ conflict with them.
 ``restore`` never deletes a learner's work: the replaced copy is saved as
 ``my-notebooks/backups/<name>.<timestamp>.ipynb`` first (``...-2.ipynb``, ``-3``, ... when
 a restore in the same second took that name: a backup never replaces a file), and the line
-it prints says so. Standard library only: it runs before anything else is installed.
+it prints says so.
+
+The copies it makes are marked trusted in Jupyter's signature database, as if the learner
+had run and saved them: the outputs they hold are the course's own, and JupyterLab shows an
+untrusted notebook's saved widgets and rich outputs only after a re-run. That needs
+``nbformat`` (``make lab`` runs this with the course's environment); without it the copies
+are made all the same and the line printed says they are not marked. Otherwise standard
+library only: it runs before anything else is installed.
 """
 
 from __future__ import annotations
@@ -178,6 +185,37 @@ def restore(names: list[str], root: Path = ROOT, now: float | None = None,
     return lines
 
 
+def trust(notebooks: list[Path]) -> list[Path] | None:
+    """Sign ``notebooks`` in Jupyter's signature database (the one JupyterLab reads, under
+    ``JUPYTER_DATA_DIR``). Returns the ones it could not read as notebooks (left unsigned),
+    or None when ``nbformat`` is not installed (none signed)."""
+    try:
+        import nbformat
+        from nbformat.sign import NotebookNotary
+    except ImportError:
+        return None
+    notary, unread = NotebookNotary(), []
+    for path in notebooks:
+        try:
+            notary.sign(nbformat.read(path, as_version=4))
+        except (OSError, ValueError, KeyError, nbformat.ValidationError):
+            unread.append(path)
+    return unread
+
+
+def _trusted(notebooks: list[Path]) -> str:
+    """The end of the line printed for fresh copies: whether they were marked trusted."""
+    if not notebooks:
+        return ""
+    unread = trust(notebooks)
+    if unread is None:
+        return "; not marked trusted (nbformat is not installed: `make lab` marks them)"
+    note = f"; {len(notebooks) - len(unread)} marked trusted (their saved outputs show before a run)"
+    if unread:
+        note += "; not marked, not readable as notebooks: " + ", ".join(p.name for p in unread)
+    return note
+
+
 def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     """The command line; ``root`` is the repository (this checkout unless a test says)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -189,6 +227,10 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     try:
         if args.command == "restore":
             restore(args.names, root=root, report=print)
+            fresh = [root / COPIES / p.name for p in _matching(root, args.names)]
+            note = _trusted(fresh)
+            if note:
+                print(f"restore: {len(fresh)} fresh cop{'y' if len(fresh) == 1 else 'ies'}{note}")
             return 0
         made = sync(root)
     except ValueError as error:
@@ -204,7 +246,8 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     kept = len(course_notebooks(root)) - len(made)
     print(f"your notebooks are in {COPIES}/ (git-ignored: your answers stay yours): "
           f"{len(made)} copied from {COURSE}/, {kept} already there and left as they are"
-          + ("" if not kept else "; `make restore NB=03` gives a fresh copy of one"))
+          + ("" if not kept else "; `make restore NB=03` gives a fresh copy of one")
+          + _trusted(made))
     return 0
 
 

@@ -196,3 +196,38 @@ def test_a_file_where_a_folder_goes_is_one_clear_line(course, blocked, command):
     assert (course / blocked).read_text() == "a file, not a folder"  # left alone
     if blocked != "my-notebooks":  # and so is the learner's copy
         assert (course / "my-notebooks" / "03_amp_gradscaler.ipynb").exists()
+
+
+def _lesson_json(text: str) -> str:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells.append(nbformat.v4.new_code_cell("print(1)", outputs=[
+        nbformat.v4.new_output("display_data", data={"text/html": f"<b>{text}</b>"})]))
+    return nbformat.writes(nb)
+
+
+def test_fresh_copies_are_marked_trusted_and_the_learners_are_left_alone(course, tmp_path,
+                                                                         monkeypatch, capsys):
+    nbformat = pytest.importorskip("nbformat")
+    from nbformat.sign import NotebookNotary
+
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "jupyter"))  # a signature db of its own
+    for name in ("00_start_here", "01_single_device_loop"):
+        (course / "notebooks" / f"{name}.ipynb").write_text(_lesson_json(name))
+    mine = course / "my-notebooks" / "01_single_device_loop.ipynb"
+    mine.parent.mkdir()
+    mine.write_text(_lesson_json("my answers"))  # the learner's: not copied, so not signed by us
+
+    assert copies.main(["sync"], root=course) == 0
+    line = capsys.readouterr().out
+    assert "1 marked trusted" in line and "03_amp_gradscaler.ipynb" in line  # not JSON of a notebook
+
+    def trusted(path: Path) -> bool:
+        return NotebookNotary().check_signature(nbformat.read(path, as_version=4))
+
+    assert trusted(course / "my-notebooks" / "00_start_here.ipynb")
+    assert not trusted(mine)
+    assert copies.main(["restore", "01"], root=course) == 0
+    assert "1 marked trusted" in capsys.readouterr().out
+    assert trusted(mine)  # the fresh copy of the lesson, not the learner's saved one
