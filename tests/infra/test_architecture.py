@@ -28,6 +28,7 @@ CORE = {
     "accumlab.report",
     "accumlab.parallel",
     "accumlab.loop",
+    "accumlab.validate",
 }
 CORE_LOOP = "accumlab.loop"
 CORE_LINE_BUDGET = 1000
