@@ -97,6 +97,9 @@ def run_settings(
 
 
 _GROUP_DETAILS = ("hyperparameters", "param_group_sizes", "param_shapes", "param_names")
+#: Optimizer switches that choose how the update is computed (a loop over the parameters,
+#: one kernel over all of them), not what it is: a resume does not compare them.
+IMPLEMENTATION_SWITCHES = frozenset({"foreach", "fused"})
 
 
 def started_with(hyperparameters: Mapping[str, Any], moved: bool = True) -> dict[str, Any]:
@@ -107,8 +110,9 @@ def started_with(hyperparameters: Mapping[str, Any], moved: bool = True) -> dict
     momentum-cycling scheduler (``OneCycleLR``, ``CyclicLR``: ``max_momentum`` in the
     group) ``momentum`` and the first of ``betas`` are its to move; its ``base_momentum``
     and ``max_momentum`` stay compared. Unmoved, the values are compared as they are
-    (and the scheduler's replay compares the learning rates it gives)."""
-    started = dict(hyperparameters)
+    (and the scheduler's replay compares the learning rates it gives). The
+    :data:`IMPLEMENTATION_SWITCHES` (``foreach``, ``fused``) are left out either way."""
+    started = {k: v for k, v in hyperparameters.items() if k not in IMPLEMENTATION_SWITCHES}
     if not moved:
         return started
     if "initial_lr" in started:

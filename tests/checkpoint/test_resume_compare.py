@@ -221,6 +221,26 @@ def test_the_replay_leaves_the_given_scheduler_and_optimizer_as_built(tmp_path: 
     assert after == before
 
 
+@pytest.mark.parametrize("switch", [{"foreach": True}, {"foreach": False}, {"fused": True}])
+def test_an_optimizer_built_with_another_implementation_switch_resumes(switch: dict[str, bool], tmp_path: Path) -> None:
+    """AdamW's ``foreach`` and ``fused`` choose how the update is computed, not what it
+    is: a resume with only one of them changed is not refused and trains on; a value
+    changed beside the switch still is."""
+    config = workers.Config()
+    interrupted(config, tmp_path, 2)
+
+    def adamw(run: dict[str, Any], lr: float) -> dict[str, Any]:
+        run["optimizer"] = torch.optim.AdamW(run["model"].parameters(), lr=lr, weight_decay=0.1, **switch)
+        run["scheduler"] = torch.optim.lr_scheduler.LambdaLR(run["optimizer"], lambda u: 1.0 / (1.0 + 0.25 * u))
+        return run
+
+    with pytest.raises(checkpoint.ResumeMismatchError, match=r"\['lr'\]: 0.003 in the checkpoint, 0.001 now") as info:
+        workers.train(adamw(workers.build(config), 1e-3), config, checkpoint_dir=tmp_path, resume=True)
+    assert "foreach" not in str(info.value) and "fused" not in str(info.value)
+    ledger = workers.train(adamw(workers.build(config), 3e-3), config, checkpoint_dir=tmp_path, resume=True)
+    assert ledger.update_attempts == 4
+
+
 # ----------------------------------------------------------------- item 7: retry in one process
 
 
