@@ -284,3 +284,20 @@ def test_padding_after_an_oom_shrink_counts_the_halved_padding_and_only_rank_0_s
     assert rank1["padding"] == [0, 0] and rank1["ledger_padding"] == 0
     assert [bar.get("disable", False) for bar in rank0["bar"]] == [False]
     assert [bar.get("disable", False) for bar in rank1["bar"]] == [True]
+
+
+def test_train_settings_are_trains_keyword_arguments_with_its_defaults() -> None:
+    """``TrainSettings`` is built from ``train``'s keywords, so the two lists are one: the
+    same names, in the same order, with the same defaults."""
+    import dataclasses
+    import inspect
+
+    from accumlab.settings import TrainSettings
+
+    keywords = [
+        (p.name, p.default)
+        for p in inspect.signature(al.train).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    fields = [(f.name, f.default) for f in dataclasses.fields(TrainSettings)]
+    assert keywords == fields
