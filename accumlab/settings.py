@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -106,6 +106,13 @@ class TrainSettings:
         check_choice("on_oom", self.on_oom, ON_OOM)
         check_choice("sync", self.sync, SYNC)
         self._check_checkpoint_keywords()
+
+    @classmethod
+    def of_call(cls, arguments: Mapping[str, Any]) -> TrainSettings:
+        """The settings among ``arguments``, a call's arguments by name (``train`` passes
+        its ``locals()``): one field per keyword argument of ``train``, the same names,
+        order and defaults (tests/driver/test_train_args.py holds them equal)."""
+        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
 
     def _check_checkpoint_keywords(self) -> None:
         directory = self.checkpoint_dir
