@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .loop import NONFINITE, SCHEDULER_PER, SYNC, Forward, model_device
+from .loop import NONFINITE, SCHEDULER_PER, SYNC, Forward, check_clip_grad_norm, model_device
 from .objectives import Objective
 from .plan import AccumulationPlan
 from .precision import check_precision, precision_policy, resolve_scaler, update_parameters
@@ -34,7 +34,6 @@ from .validate import (
     check_instance,
     check_methods,
     check_positive_int,
-    check_positive_number,
 )
 
 #: What ``train`` does when a window runs out of memory (``accumlab.oom``).
@@ -79,12 +78,7 @@ class TrainSettings:
             example="a torch.optim.lr_scheduler scheduler",
             none_ok=True,
         )
-        clip = check_positive_number(
-            "clip_grad_norm",
-            self.clip_grad_norm,
-            meaning="the largest L2 norm of the combined gradient",
-            none_means="no clipping",
-        )
+        clip = check_clip_grad_norm(self.clip_grad_norm)
         object.__setattr__(self, "clip_grad_norm", clip)  # frozen: set once, as a float
         check_positive_int("max_updates", self.max_updates, none_means="no limit")
         check_bool("progress", self.progress)
