@@ -408,15 +408,16 @@ def _train_run(args: argparse.Namespace, owned: contextlib.ExitStack) -> int:
     from .course import data
     from .course.models import TinyGPT
     from .driver import train
-    from .ledger import RunRecord
     from .objectives import NextTokenLoss
     from .plan import AccumulationPlan
+    from .record import RunRecord
+    from .settings import TrainSettings
 
     check_hyper_parameters(args)
     plan = AccumulationPlan(args.micro, args.steps, last_window=args.last_window)
     if args.checkpoint_dir is None and (args.checkpoint_every is not None or args.resume):
         raise ValueError("--checkpoint-every and --resume need --checkpoint-dir DIR (e.g. runs/ckpt)")
-    checkpoint.check_arguments(args.checkpoint_dir, args.checkpoint_every, args.resume)
+    TrainSettings(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume)
     path = None
     if args.record is not None:
         path = default_record_path() if args.record is AUTO_RECORD else args.record
