@@ -4,11 +4,6 @@ The core rule: every microbatch backpropagates ``loss_sum × D / count(window, a
 replicas)`` and the optimizer steps once per window.
 """
 
-from ._startup import guard_command_start
-
-# First: in the `accumlab` command, Ctrl-C while torch imports is one line, exit 130.
-guard_command_start()
-
 from ._torch_version import check_torch_version
 
 # Before the submodules: on an older torch they would fail on a missing API instead.

@@ -39,7 +39,7 @@ from .files import (
     load_newest_intact,
     save_checkpoint,
 )
-from .lock import DirectoryLock, lock_run_directory
+from .lock import DirectoryLock, check_still_held, lock_run_directory
 
 
 class Checkpointer:
@@ -268,6 +268,9 @@ class Checkpointer:
         def done() -> bool:
             return max_updates is not None and self.ledger.update_attempts >= max_updates
 
+        source = iter(windows)
+        self._skip_trained(source)  # the data is checked even when no window is left to train
+        self._put_in_place()
         if done():
             if self.resumed_from is not None and self.ledger.update_attempts > max_updates:  # type: ignore[operator]
                 warnings.warn(
@@ -277,11 +280,7 @@ class Checkpointer:
                     UserWarning,
                     stacklevel=3,
                 )
-            self._put_in_place()
             return
-        source = iter(windows)
-        self._skip_trained(source)
-        self._put_in_place()
         while not done():
             if self.directory is None:
                 window = next(source, None)
@@ -345,6 +344,7 @@ class Checkpointer:
         """Write this rank's checkpoint now (``None`` without a directory)."""
         if self.directory is None:
             return None
+        check_still_held(self._lock, self.directory)  # another run may own it now
         path = save_checkpoint(
             self.state(), self.directory, self.ledger.update_attempts, rank=self.rank, keep=self.keep
         )
