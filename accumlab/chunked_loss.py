@@ -7,8 +7,8 @@ states ``[m, T, H]`` and the model's output layer instead, and works through the
 tokens a chunk at a time: for each chunk it computes the chunk's logits, its loss and, in
 the same pass, the chunk's gradient with respect to the hidden states and the head's
 weight and bias. Only those gradients (hidden-sized and head-sized) are kept for the
-backward pass, which multiplies them by the loss's incoming gradient (the loop's
-``× D / global count`` and the GradScaler's scale). So neither the forward nor the
+backward pass, which multiplies them by the loss's incoming gradient (the loop's factor,
+the rule of ``accumlab.loop``, and the GradScaler's scale). So neither the forward nor the
 backward ever holds more than one chunk of logits (in float32, and under autocast
 briefly also in half precision).
 
@@ -110,9 +110,16 @@ def _chunked_pass(
         for start in range(0, rows.numel(), chunk_size):
             index = rows[start : start + chunk_size]
             total += _one_chunk(
-                hidden, w, b, index, targets[start : start + chunk_size], wide,
-                grad_h, grad_w, grad_b,
-            )  # fmt: skip
+                hidden,
+                w,
+                b,
+                index,
+                targets[start : start + chunk_size],
+                wide,
+                grad_h,
+                grad_w,
+                grad_b,
+            )
     return total, grad_h, grad_w, grad_b
 
 

@@ -245,12 +245,15 @@ def _train(args: argparse.Namespace) -> int:
 
     from .course import data
     from .course.models import TinyGPT
-    from .ledger import RunRecord
     from .objectives import NextTokenLoss
     from .plan import AccumulationPlan
+    from .record import RunRecord
+    from .settings import TrainSettings
 
     plan = AccumulationPlan(args.micro, args.steps, last_window=args.last_window)
-    checkpoint.check_arguments(args.checkpoint_dir, args.checkpoint_every, args.resume)
+    # the library's own check of the checkpoint keywords, before anything is read or written
+    TrainSettings(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                  resume=args.resume)
     record = target = None
     if args.record is not None:
         if args.record is not AUTO_RECORD and not args.record.strip():

@@ -120,11 +120,16 @@ def check_callable_or_none(name: str, value: T) -> T:
     return value
 
 
-def check_instance(name: str, value: object, kind: type[T], what: str) -> T:
-    """``value`` if it is an instance of ``kind``; ``what`` names the kind for the message
-    (``"a torch.nn.Module"``)."""
+def check_instance(
+    name: str, value: object, kind: type[T] | tuple[type[T], ...], what: str, *, none_ok: bool = False
+) -> T:
+    """``value`` if it is an instance of ``kind`` (or ``None`` with ``none_ok``); ``what``
+    names the kind for the message (``"a torch.nn.Module"``)."""
+    if value is None and none_ok:
+        return value  # type: ignore[return-value]
     if not isinstance(value, kind):
-        raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
+        or_none = " or None" if none_ok else ""
+        raise TypeError(f"{name} must be {what}{or_none}, got {type(value).__name__}")
     return value
 
 

@@ -134,9 +134,15 @@ def run_mode(sync: str, steps: int, windows: int, n_embd: int, n_layer: int) -> 
     calls = [0]
     with counting_reduce_scatters(calls):
         ledger = al.train(
-            model, batches, optimizer, plan, al.NextTokenLoss(), sync=sync, meter=probe,
+            model,
+            batches,
+            optimizer,
+            plan,
+            al.NextTokenLoss(),
+            sync=sync,
+            meter=probe,
             progress=False,
-        )  # fmt: skip
+        )
     non_final = [b for i, b in probe.records if i < steps - 1]
     return {
         "rank": rank,

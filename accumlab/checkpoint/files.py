@@ -25,43 +25,21 @@ import torch
 
 from .. import distributed
 from ..atomic_write import check_directory, fsync_directory, temp_pattern, write_atomically
-from ..validate import check_bool, check_positive_int
+from ..validate import check_positive_int
 
-FORMAT = 2  # bumped when the layout of a checkpoint changes
+FORMAT = 3  # bumped when the layout of a checkpoint changes
 KEEP = 2  # checkpoints kept per rank
 _NAME = re.compile(r"^checkpoint-(\d{8,})-rank(\d+)\.pt$")
 
 
 class CorruptCheckpointError(ValueError):
-    """A checkpoint file that cannot be trusted: empty, cut short, unreadable, of another
-    format, or its content does not match the checksum stored with it."""
+    """A checkpoint file that cannot be trusted: empty, cut short, unreadable, not an
+    accumlab checkpoint, or its content does not match the checksum stored with it."""
 
 
-def check_arguments(checkpoint_dir: object, checkpoint_every: object, resume: object) -> None:
-    """Check ``train``'s checkpoint keywords before any data is read.
-
-    ``checkpoint_dir`` is ``None`` (no checkpoints) or a non-empty path that is not an
-    existing file; ``checkpoint_every`` is ``None`` (write after the last update attempt
-    only) or a positive int of update attempts and needs ``checkpoint_dir``; ``resume`` is
-    a bool and ``True`` needs ``checkpoint_dir``.
-    """
-    if checkpoint_dir is not None:
-        if not isinstance(checkpoint_dir, (str, os.PathLike)):
-            raise TypeError(
-                "checkpoint_dir must be a path (str or os.PathLike) or None, got "
-                f"{type(checkpoint_dir).__name__}"
-            )
-        if not os.fspath(checkpoint_dir):
-            raise ValueError("checkpoint_dir is an empty path; give a directory such as 'runs/x'")
-        if Path(checkpoint_dir).exists() and not Path(checkpoint_dir).is_dir():
-            raise ValueError(f"checkpoint_dir {os.fspath(checkpoint_dir)!r} is a file, not a directory")
-    if checkpoint_every is not None:
-        check_positive_int("checkpoint_every", checkpoint_every)
-        if checkpoint_dir is None:
-            raise ValueError("checkpoint_every needs checkpoint_dir: where should the checkpoints go?")
-    check_bool("resume", resume)
-    if resume and checkpoint_dir is None:
-        raise ValueError("resume=True needs checkpoint_dir, the directory of the run to continue")
+class CheckpointFormatError(ValueError):
+    """An intact checkpoint of another :data:`FORMAT`, written by another version of
+    accumlab: this one cannot resume from it."""
 
 
 def checkpoint_path(directory: str | os.PathLike[str], update_attempts: int, rank: int = 0) -> Path:
@@ -165,9 +143,10 @@ def save_checkpoint(
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a checkpoint with ``torch.load(weights_only=True)`` onto the CPU (the
     ``load_state_dict`` methods then copy each tensor to where its parameter lives) and
-    verify its checksum. :class:`CorruptCheckpointError` naming the file and why when it
-    is empty, cut short, unreadable, not plain data, of another format or fails the
-    checksum (e.g. a flipped bit inside a stored weight)."""
+    verify its checksum. :class:`CheckpointFormatError` for a checkpoint of another
+    format; :class:`CorruptCheckpointError` naming the file and why when it is empty, cut
+    short, unreadable, not plain data, not a checkpoint or fails the checksum (e.g. a
+    flipped bit inside a stored weight)."""
     name = os.fspath(path)
 
     def corrupt(why: str) -> CorruptCheckpointError:
@@ -182,8 +161,13 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     except Exception as exc:  # a cut or damaged file fails in many ways inside torch.load
         first = (str(exc).strip().splitlines() or [""])[0].split(". ")[0][:160]
         raise corrupt(f"it is cut short or damaged ({type(exc).__name__}: {first})") from exc
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+    found = state.get("format") if isinstance(state, dict) else type(state).__name__
+    if isinstance(found, int) and found != FORMAT:
+        raise CheckpointFormatError(
+            f"cannot resume from {name}: it is a checkpoint of format {found} (another version "
+            f"of accumlab), this version reads format {FORMAT}; start the run in a new checkpoint_dir"
+        )
+    if found != FORMAT:
         raise corrupt(f"it is not an accumlab checkpoint of format {FORMAT} (found {found!r})")
     stored = state.pop("sha256", None)
     if stored != payload_checksum(state):

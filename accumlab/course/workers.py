@@ -39,16 +39,14 @@ from ..distributed import (
     check_example_ids,
     example_ids_in,
     gather_example_ids,
-    gradient_sync,
-    local_device,
-    replicas_of,
     shard,
 )
 from ..driver import train
-from ..ledger import RunRecord
 from ..loop import default_forward
 from ..objectives import NextTokenLoss
+from ..parallel import gradient_sync, local_device, replicas_of
 from ..plan import AccumulationPlan
+from ..record import RunRecord
 from . import data
 from .models import TinyGPT
 

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +20,29 @@ from helpers import resume_workers as workers  # tests/helpers/resume_workers.py
 
 import accumlab as al
 from accumlab import checkpoint
-from accumlab.ledger import Ledger, RunRecord, UpdateReport
+from accumlab.ledger import Ledger
+from accumlab.record import RunRecord
+from accumlab.report import UpdateReport
+from accumlab.settings import TrainSettings
 
 
-def report(index: int, applied: bool = True, loss: float = 1.5, grad_norm: float = 2.0) -> UpdateReport:
+def report(
+    index: int, applied: bool = True, loss: float = 1.5, grad_norm: float = 2.0
+) -> UpdateReport:
     return UpdateReport(
-        index=index, applied=applied, examples=4, targets=40, global_targets=40, microbatches=2,
-        backward_passes=2, loss=loss, loss_sum=loss * 40, grad_norm=grad_norm, lr=1e-3 * (index + 1),
+        index=index,
+        applied=applied,
+        examples=4,
+        targets=40,
+        global_targets=40,
+        microbatches=2,
+        backward_passes=2,
+        loss=loss,
+        loss_sum=loss * 40,
+        grad_norm=grad_norm,
+        lr=1e-3 * (index + 1),
         skipped_reason=None if applied else "non-finite gradient",
-    )  # fmt: skip
+    )
 
 
 def sample_ledger() -> Ledger:
@@ -134,7 +149,8 @@ def test_save_is_atomic_keeps_the_newest_two_and_ignores_leftovers(tmp_path: Pat
     assert not leftover.exists()
     other_rank.unlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "checkpoint-00000003-rank0.pt", "checkpoint-00000004-rank0.pt",
+        "checkpoint-00000003-rank0.pt",
+        "checkpoint-00000004-rank0.pt",
     ]
     assert checkpoint.load_checkpoint(checkpoint.checkpoint_path(tmp_path, 4))["n"] == 4
 
@@ -219,8 +235,8 @@ def test_load_is_weights_only(tmp_path: Path) -> None:
     torch.save({"format": checkpoint.FORMAT, "object": Path("x")}, path)  # not plain data
     with pytest.raises(Exception, match="Weights only load failed"):
         checkpoint.load_checkpoint(path)
-    torch.save({"format": 99}, path)
-    with pytest.raises(checkpoint.CorruptCheckpointError, match=f"not an accumlab checkpoint of format {checkpoint.FORMAT} .found 99"):
+    torch.save({"weights": torch.ones(2)}, path)
+    with pytest.raises(checkpoint.CorruptCheckpointError, match=f"not an accumlab checkpoint of format {checkpoint.FORMAT} .found None"):
         checkpoint.load_checkpoint(path)
 
 
@@ -244,10 +260,8 @@ def test_rng_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
 def test_check_compatible_names_every_difference() -> None:
     config = workers.Config()
     run = workers.build(config)
-    ckpt = checkpoint.Checkpointer(
-        None, None, False, model=run["model"], optimizer=run["optimizer"], scheduler=run["scheduler"],
-        scaler=None, plan=run["plan"], precision="fp32", batches=run["data"],
-    )  # fmt: skip
+    settings = TrainSettings(scheduler=run["scheduler"])
+    ckpt = checkpoint.Checkpointer(settings, run["model"], run["optimizer"], None, run["plan"], run["data"])
     state = ckpt.state()
     state["world_size"] = 2
     other = workers.build(workers.Config(n_embd=8))
@@ -260,6 +274,20 @@ def test_check_compatible_names_every_difference() -> None:
     assert "world size: 2 in the checkpoint, 1 now" in message
     assert "model: tok_emb.weight '[32, 16] torch.float32' in the checkpoint, '[32, 8]" in message
     assert "model: and " in message  # more than five model differences are summarised
+
+
+def test_the_package_docstring_describes_every_entry_of_a_checkpoint(tmp_path: Path) -> None:
+    """``accumlab.checkpoint``'s docstring is the one description of a checkpoint's
+    contents: every entry a written checkpoint holds is named there, and no entry it no
+    longer holds."""
+    config = workers.Config()
+    workers.train(workers.build(config), config, max_updates=1, checkpoint_dir=tmp_path)
+    state = checkpoint.load_checkpoint(checkpoint.checkpoint_path(tmp_path, 1))
+    entries = {*state, "sha256", *state["data"], *state["data_history"]}
+    described = set(re.findall(r"``(\w+)``", checkpoint.__doc__.split("The package is cut by idea")[0]))
+    assert entries <= described, f"not described: {sorted(entries - described)}"
+    other_words = {"None", "random", "train", *checkpoint.RESUMED_SETTINGS}  # not entries
+    assert described - entries <= other_words, sorted(described - entries - other_words)
 
 
 def _refusal(state: dict[str, Any], **kwargs: Any) -> str:
