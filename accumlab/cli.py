@@ -6,7 +6,8 @@
     accumlab train --updates 20 --checkpoint-dir runs/ckpt --checkpoint-every 5 --resume
 
 Exit codes: 0 done; 1 a failed check, a file that cannot be written, a checkpoint
-directory another run holds, no intact checkpoint to resume from, or a run that failed;
+directory another run holds, no checkpoint this version can resume from (damaged, or of
+another format), or a run that failed;
 2 bad arguments, or a resume the checkpoint refuses (settings that differ from its
 run's); 130 interrupted. Each failure is one line on stderr, never a traceback (a bad flag
 value: argparse's usage, then one line naming the flag and the values it takes).
@@ -16,10 +17,8 @@ docs/CLI.md says more.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import math
 import os
-import platform
 import re
 import signal
 import sys
@@ -38,9 +37,6 @@ from .validate import check_positive_number
 #: directory; ignored by git in the repository).
 RUNS_DIR = Path("runs")
 
-#: The PyTorch release the course and its saved notebook outputs were made with.
-TESTED_TORCH = "2.13"
-
 #: What ``--record`` given alone parses to: write to :func:`default_record_path`.
 AUTO_RECORD = object()
 
@@ -51,9 +47,9 @@ MAX_SEED = 2**64 - 1
 #: The largest float32 number: ``--clip`` and AdamW's steps are computed in float32.
 FLOAT32_MAX = float.fromhex("0x1.fffffep+127")  # 3.4028e38
 
-#: The largest ``--lr``: AdamW's first update moves a weight by up to lr / (1 - 0.9) (0.9:
-#: its first beta), and that must be a float32 number ("value cannot be converted to type
-#: float without overflow" otherwise, naming no flag).
+#: The largest ``--lr``: AdamW's first update computes its step size, lr / (1 - 0.9) (0.9:
+#: its first beta), as a float32 number ("value cannot be converted to type float without
+#: overflow" otherwise, naming no flag).
 MAX_LR = 3.4e37
 
 
@@ -61,113 +57,16 @@ class CommandError(Exception):
     """A failure to report as one line with exit code 1."""
 
 
-# --- env ----------------------------------------------------------------------------------
-
-
-def _version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def in_checkout() -> bool:
-    """Whether accumlab runs from the course's repository (its Makefile beside the package),
-    so `make lab` exists; a standalone install (pip, a wheel) has no Makefile."""
-    return (Path(__file__).resolve().parents[1] / "Makefile").is_file()
-
-
-def environment() -> dict[str, Any]:
-    """Versions, CPU threads and devices, as printed by ``accumlab env``."""
-    import torch
-
-    cuda = torch.cuda.is_available()
-    mps = getattr(torch.backends, "mps", None)
-    hint = "`make lab` installs it" if in_checkout() else "`pip install jupyterlab` installs it"
-    return {
-        "python": platform.python_version(),
-        "platform": f"{platform.system()} {platform.machine()}",
-        "torch": torch.__version__,
-        "accumlab": _version("accumlab") or "not installed (run from a checkout)",
-        "threads": torch.get_num_threads(),
-        "cuda": cuda,
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "mps": bool(mps is not None and mps.is_available()),
-        "distributed": torch.distributed.is_available(),
-        "gloo": torch.distributed.is_available() and torch.distributed.is_gloo_available(),
-        "matplotlib": _version("matplotlib"),
-        "ipywidgets": _version("ipywidgets"),
-        "jupyterlab": _version("jupyterlab") or f"not installed ({hint})",
-    }
-
-
-def check_devices(info: dict[str, Any]) -> list[str]:
-    """The devices the smoke check runs on: ``cpu``, then each CUDA GPU, then ``mps``."""
-    devices = ["cpu"] + [f"cuda:{i}" for i in range(len(info["gpus"]))]
-    return devices + (["mps"] if info["mps"] else [])
-
-
-def accumulation_check(device: str, splits: Sequence[int] = (2, 1, 3)) -> tuple[float, float]:
-    """One accumulation window against the full batch on ``device``.
-
-    A 1-layer tiny GPT (seeded) on the first ``sum(splits)`` examples of the shipped data
-    set: the gradient of the full batch against the one accumulated over microbatches of
-    ``splits`` examples. Returns ``(max relative error, tolerance)``; the tolerance is
-    1e-5 on the CPU and 1e-4 on accelerators, whose kernels may reorder float sums.
-    """
-    import torch
-
-    from . import checks
-    from .course import data
-    from .course.models import TinyGPT
-    from .objectives import NextTokenLoss
-
-    examples = data.load_examples(limit=sum(splits))
-    batch = {key: value.to(device) for key, value in data.collate(examples).items()}
-    torch.manual_seed(0)
-    model = TinyGPT(data.VOCAB_SIZE, n_layer=1, n_head=2, n_embd=32).to(device)
-    comparison = checks.compare_gradients(model, batch, NextTokenLoss(), splits=list(splits))
-    return comparison.max_rel_error, (1e-5 if device == "cpu" else 1e-4)
-
-
-def smoke_check(info: dict[str, Any]) -> list[str]:
-    """Run the checks of ``accumlab env --check``, printing one line per check. Returns
-    the problems found (empty when everything passed), each a sentence that says what is
-    wrong and what to do."""
-    problems = []
-    for name in ("matplotlib", "ipywidgets"):
-        if info[name] is None:
-            fix = "`pip install -e .` (or `make lab`)" if in_checkout() else f"`pip install {name}`"
-            problems.append(f"{name} is missing; install it with {fix}")
-    if not info["gloo"]:
-        problems.append("torch.distributed with gloo is unavailable; notebook 04 needs it")
-    if not str(info["torch"]).startswith(TESTED_TORCH + "."):
-        print(f"note: the course was made with torch {TESTED_TORCH}; other versions may print "
-              "slightly different numbers")
-    for device in check_devices(info):
-        try:
-            error, tolerance = accumulation_check(device)
-        except Exception as exc:  # any failure here is the finding to report
-            problems.append(f"the accumulation check on {device} raised {type(exc).__name__}: {exc}")
-            continue
-        verdict = "ok" if error <= tolerance else "FAILED"
-        print(f"accumulation window on {device}: microbatches of 2+1+3 examples vs the full "
-              f"batch of 6: max relative gradient error {error:.1e} (tolerance {tolerance:.0e}) "
-              f"{verdict}")
-        if error > tolerance:
-            problems.append(f"on {device} the accumulated gradient differs from the full "
-                            f"batch by {error:.1e} (relative), above {tolerance:.0e}")
-    return problems
-
-
 def _env(args: argparse.Namespace) -> int:
+    from .course import environment
+
     start = time.perf_counter()
-    info = environment()
+    info = environment.environment()
     for key, value in info.items():
         print(f"{key:12s} {(', '.join(value) or 'none') if isinstance(value, list) else value}")
     if not args.check:
         return 0
-    problems = smoke_check(info)
+    problems = environment.smoke_check(info)
     for problem in problems:
         print(f"accumlab: check failed: {problem}", file=sys.stderr)
     if not problems:
@@ -468,7 +367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except (ValueError, TypeError) as exc:
         print(f"accumlab: error: {_one_line(exc)}", file=sys.stderr)
-        return 1 if isinstance(exc, checkpoint.CorruptCheckpointError) else 2
+        unusable = (checkpoint.CorruptCheckpointError, checkpoint.CheckpointFormatError)
+        return 1 if isinstance(exc, unusable) else 2
     except (CommandError, OSError, RuntimeError, EOFError) as exc:
         print(f"accumlab: error: {_one_line(exc)}", file=sys.stderr)
         return 1

@@ -79,7 +79,7 @@ def test_env_check_fails_with_one_clear_line(monkeypatch, capsys):
 
 
 def test_check_devices_follow_what_torch_reports():
-    from accumlab.cli import check_devices
+    from accumlab.course.environment import check_devices
 
     assert check_devices({"gpus": [], "mps": False}) == ["cpu"]
     assert check_devices({"gpus": ["A", "B"], "mps": False}) == ["cpu", "cuda:0", "cuda:1"]

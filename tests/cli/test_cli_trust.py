@@ -238,6 +238,19 @@ def test_every_checkpoint_damaged_from_the_command_line(tmp_path):
     assert "checkpoint-00000001" in line and "checkpoint-00000002" in line
 
 
+def test_a_checkpoint_of_another_format_is_one_line_and_exit_1(ckpt_run, capsys):
+    """Intact checkpoints of another accumlab's format: not a damaged file, not a bad flag
+    (exit 1, like a directory with no intact checkpoint); the line names the format."""
+    for attempts in checkpoint.list_checkpoints(ckpt_run):
+        state = checkpoint.load_checkpoint(checkpoint.checkpoint_path(ckpt_run, attempts))
+        checkpoint.save_checkpoint({**state, "format": checkpoint.FORMAT - 1}, ckpt_run, attempts)
+    assert main([*SMALL, "--updates", "3", "--checkpoint-dir", str(ckpt_run), "--resume"]) == 1
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("accumlab: error: cannot resume from "), line
+    assert f"it is a checkpoint of format {checkpoint.FORMAT - 1}" in line
+    assert line.endswith("start the run in a new --checkpoint-dir"), line
+
+
 #: Runs the command with a file-size limit (``ulimit -f``): ``python LIMITED BYTES ARGS``.
 LIMITED = """import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
