@@ -171,11 +171,17 @@ def _train(args: argparse.Namespace) -> int:
     batches = data.microbatches(examples, plan.micro_batch_size, shuffle=True, seed=args.seed)
     model = TinyGPT(data.VOCAB_SIZE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    def on_update(report: Any) -> None:
+        if report.index + 1 == args.updates:  # trained: only the last checkpoint is left
+            _ignore_ctrl_c()
+
     ledger = driver.train(model, batches, optimizer, plan, NextTokenLoss(),
                           max_updates=args.updates, precision=args.precision,
                           clip_grad_norm=args.clip, progress=not args.quiet,
                           checkpoint_dir=args.checkpoint_dir,
-                          checkpoint_every=args.checkpoint_every, resume=args.resume)
+                          checkpoint_every=args.checkpoint_every, resume=args.resume,
+                          on_update=on_update)
     _ignore_ctrl_c()  # the run is over: Ctrl-C must not cut its record short (main restores it)
 
     extra = {"seed": args.seed, "learning_rate": optimizer.param_groups[0]["lr"],
@@ -350,7 +356,8 @@ def _interrupted(args: argparse.Namespace | None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command with ``argv`` (default: the program's arguments); returns the exit
-    code. Ctrl-C is ignored from the moment a run has trained: it finishes and exits 0.
+    code. Ctrl-C is ignored from the moment a run has trained its last update attempt: it
+    writes its last checkpoint and its record, and exits 0.
     Called with ``argv`` (a test, a script), Ctrl-C is handled as before once it returns;
     called as the program, it stays ignored, so that a Ctrl-C during the interpreter's
     exit (torch's clean-up) cannot end the process by the signal, with nothing said."""

@@ -366,12 +366,19 @@ def _wait_for(path: Path, process, timeout: float = 120) -> None:
         time.sleep(0.002)
 
 
-def test_ctrl_c_names_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("tests_ignore_ctrl_c", [False, True])
+def test_ctrl_c_names_the_last_checkpoint(tmp_path, tests_ignore_ctrl_c):
     """A real SIGINT in the middle of a run: exit 130, one line naming the newest checkpoint
-    and how to continue from it."""
+    and how to continue from it; also when the tests themselves run with SIGINT ignored
+    (`nohup make test`, a background job): the command gets Ctrl-C's default back."""
     ckpt = tmp_path / "ckpt"
-    process = commands.start("train", "--micro", "1", "--steps", "1", "--updates", "100000",
-                             "--quiet", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1")
+    ours = signal.signal(signal.SIGINT, signal.SIG_IGN) if tests_ignore_ctrl_c else None
+    try:
+        process = commands.start("train", "--micro", "1", "--steps", "1", "--updates", "100000",
+                                 "--quiet", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1")
+    finally:
+        if ours is not None:
+            signal.signal(signal.SIGINT, ours)
     try:
         _wait_for(checkpoint.checkpoint_path(ckpt, 1), process)
         process.send_signal(signal.SIGINT)
@@ -387,7 +394,7 @@ def test_ctrl_c_names_the_last_checkpoint(tmp_path):
     assert str(newest) in line and "--resume" in line, line
 
 
-@pytest.mark.parametrize("delay", [0.05, 0.1, 0.2])
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.1, 0.2])
 def test_ctrl_c_after_the_last_checkpoint_of_a_finished_run_exits_as_done(tmp_path, delay):
     """SIGINT ``delay`` seconds after the run's last checkpoint appeared: the run has
     trained, so it ends as it would have: exit 0, its record printed, nothing on stderr
