@@ -83,30 +83,13 @@ def train(
       refuses (``ResumeMismatchError``) anything else (``accumlab.checkpoint``: what a
       checkpoint holds, what a resume compares, the lock).
     """
-    settings = TrainSettings(
-        scheduler=scheduler,
-        clip_grad_norm=clip_grad_norm,
-        max_updates=max_updates,
-        progress=progress,
-        forward=forward,
-        precision=precision,
-        scaler=scaler,
-        meter=meter,
-        nonfinite=nonfinite,
-        scheduler_per=scheduler_per,
-        on_update=on_update,
-        on_oom=on_oom,
-        sync=sync,
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_every=checkpoint_every,
-        resume=resume,
-    )
+    settings = TrainSettings.of_call(locals())  # the 16 keyword arguments, each checked
     scaler = settings.check_objects(model, batches, optimizer, plan, objective)
     check_plan(plan, model)  # the same plan on every rank, and plan.data_parallel_size is D
     model.train()  # dropout on: a model left in eval() would otherwise train without it
     options = settings.window_options(scaler)  # train_window's keywords, alike in every window
-    ckpt = Checkpointer(settings, model, optimizer, scaler, plan, batches)
-    try:  # the checkpoint directory stays this run's until it returns or raises
+    # The checkpoint directory stays this run's (its lock) until train returns or raises.
+    with Checkpointer(settings, model, optimizer, scaler, plan, batches) as ckpt:
         ledger = ckpt.ledger  # restored from the checkpoint when resuming
         ledger.note_settings(settings, optimizer, scaler, objective)
         group = data_parallel_group(model)
@@ -135,8 +118,6 @@ def train(
         ledger.note_settings(settings, optimizer, scaler, objective)  # the final scale
         _warn_if_nothing_read(ledger)
         ckpt.finish()
-    finally:
-        ckpt.close()
     return ledger
 
 

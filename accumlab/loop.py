@@ -245,12 +245,23 @@ class PartialUpdateError(torch.OutOfMemoryError):
     the last checkpoint."""
 
 
+def check_clip_grad_norm(clip_grad_norm: object) -> float | None:
+    """``clip_grad_norm`` as a float (the largest L2 norm of the combined, unscaled
+    gradient), or ``None`` (no clipping); ``train`` and ``train_window`` check it here."""
+    return check_positive_number(
+        "clip_grad_norm",
+        clip_grad_norm,
+        meaning="the largest L2 norm of the combined gradient",
+        none_means="no clipping",
+    )
+
+
 def _check_window(
     model: nn.Module, clip_grad_norm: float | None, nonfinite: str, scheduler_per: str
 ) -> None:
     """Check ``train_window``'s arguments (the optimizer: ``update_parameters``; ``sync``
     and ``precision``: ``accumulate``)."""
-    check_positive_number("clip_grad_norm", clip_grad_norm, none_means="no clipping")
+    check_clip_grad_norm(clip_grad_norm)
     check_choice("nonfinite", nonfinite, NONFINITE)
     check_choice("scheduler_per", scheduler_per, SCHEDULER_PER)
     check_replicas(model)  # a plain model in a multi-rank group is an error

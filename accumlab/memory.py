@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .memory_records import PhaseRecord, WindowRecord
+from .validate import check_bool, check_positive_int
 
 __all__ = ["MemoryMeter", "format_bytes"]
 
@@ -150,16 +151,8 @@ class MemoryMeter:
         record_history: bool = False,
     ) -> None:
         self.device = _device_of(device)
-        if budget_bytes is not None and (
-            isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
-        ):
-            raise TypeError(
-                f"budget_bytes must be an int number of bytes or None, got {budget_bytes!r}"
-            )
-        if budget_bytes is not None and budget_bytes < 1:
-            raise ValueError(f"budget_bytes must be positive (bytes) or None, got {budget_bytes}")
-        self.budget_bytes = budget_bytes
-        self.track_saved = bool(track_saved)
+        self.budget_bytes = check_positive_int("budget_bytes", budget_bytes, none_means="no budget")
+        self.track_saved = check_bool("track_saved", track_saved)
         self._cuda = self.device.type == "cuda"
         self._counts_storages = not self._cuda
         self._lock = threading.RLock()
@@ -174,7 +167,7 @@ class MemoryMeter:
         self._depth = 0
         self._mode: _Tracker | None = None
         self._self_ref = weakref.ref(self)
-        if record_history:
+        if check_bool("record_history", record_history):
             if not self._cuda:
                 raise ValueError(
                     "record_history=True needs a CUDA device: allocator snapshots exist only "

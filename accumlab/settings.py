@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from .loop import NONFINITE, SCHEDULER_PER, SYNC, Forward, model_device
+from .loop import NONFINITE, SCHEDULER_PER, SYNC, Forward, check_clip_grad_norm, model_device
 from .objectives import Objective
 from .plan import AccumulationPlan
 from .precision import check_precision, precision_policy, resolve_scaler, update_parameters
@@ -34,7 +34,6 @@ from .validate import (
     check_instance,
     check_methods,
     check_positive_int,
-    check_positive_number,
 )
 
 #: What ``train`` does when a window runs out of memory (``accumlab.oom``).
@@ -79,12 +78,7 @@ class TrainSettings:
             example="a torch.optim.lr_scheduler scheduler",
             none_ok=True,
         )
-        clip = check_positive_number(
-            "clip_grad_norm",
-            self.clip_grad_norm,
-            meaning="the largest L2 norm of the combined gradient",
-            none_means="no clipping",
-        )
+        clip = check_clip_grad_norm(self.clip_grad_norm)
         object.__setattr__(self, "clip_grad_norm", clip)  # frozen: set once, as a float
         check_positive_int("max_updates", self.max_updates, none_means="no limit")
         check_bool("progress", self.progress)
@@ -106,6 +100,13 @@ class TrainSettings:
         check_choice("on_oom", self.on_oom, ON_OOM)
         check_choice("sync", self.sync, SYNC)
         self._check_checkpoint_keywords()
+
+    @classmethod
+    def of_call(cls, arguments: Mapping[str, Any]) -> TrainSettings:
+        """The settings among ``arguments``, a call's arguments by name (``train`` passes
+        its ``locals()``): one field per keyword argument of ``train``, the same names,
+        order and defaults (tests/driver/test_train_args.py holds them equal)."""
+        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
 
     def _check_checkpoint_keywords(self) -> None:
         directory = self.checkpoint_dir

@@ -51,23 +51,21 @@ class Checkpointer:
     It reads ``settings.checkpoint_dir``, ``checkpoint_every``, ``resume``,
     ``max_updates``, the scheduler, the precision and what a resume must find unchanged
     (:func:`run_settings`). Without a directory it does nothing but hand out a fresh
-    ledger and stop the windows at ``max_updates``. With one, it first takes the directory's lock
-    (:mod:`accumlab.checkpoint.lock`): a run that another live run holds the directory
-    of is a :class:`~accumlab.checkpoint.lock.CheckpointDirectoryInUseError` naming it,
-    before anything is written there; :meth:`close` lets it go. A fresh start
-    (``resume=False``) into a directory that already holds checkpoints is a
-    ``ValueError``; a directory that cannot be written to is an ``OSError``, all before
-    any data is read. In ``train``::
+    ledger and stop the windows at ``max_updates``. With one, it first takes the
+    directory's lock (:mod:`accumlab.checkpoint.lock`): a run that another live run holds
+    the directory of is a :class:`~accumlab.checkpoint.lock.CheckpointDirectoryInUseError`
+    naming it, before anything is written there; :meth:`close` (or leaving a ``with``
+    block) lets it go. A fresh start (``resume=False``) into a directory that already
+    holds checkpoints is a ``ValueError``; a directory that cannot be written to is an
+    ``OSError``, all before any data is read. In ``train``::
 
-        ckpt = Checkpointer(settings, model, optimizer, scaler, plan, batches)
-        try:
+        with Checkpointer(settings, model, optimizer, scaler, plan, batches) as ckpt:
             ledger = ckpt.ledger                             # restored when resuming
             for window in ckpt.windows(aligned_windows(...)):
                 ...train the window, ledger.record(report)...
                 ckpt.after_attempt()
             ckpt.finish()
-        finally:
-            ckpt.close()                                     # the lock, however it ends
+        # leaving the block calls close(): the lock goes, however the run ends
 
     Resume reads the newest intact checkpoint (:func:`load_newest_intact`) and checks it
     against this run (:func:`check_compatible`) when constructed; the ledger (with its
@@ -145,6 +143,12 @@ class Checkpointer:
         if self._lock is not None:
             lock, self._lock = self._lock, None
             lock.release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()  # the lock, however the run ends
 
     def _resume(self) -> None:
         assert self.directory is not None

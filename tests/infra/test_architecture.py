@@ -4,6 +4,7 @@
   functions count, and ``from P import x`` imports ``P`` itself (its ``__init__``), as does
   importing a submodule of ``P`` from outside ``P``.
 - The core (what a reader copies) imports only the core.
+- The layers do not import the driver (``train`` builds on them, not they on it).
 - Nothing outside ``accumlab/course`` (and the CLI) imports the course material.
 
 See docs/ARCHITECTURE.md for the picture these rules keep true. The shape of a module is
@@ -173,6 +174,38 @@ def test_importing_a_submodule_from_outside_runs_its_package(tmp_path: Path) -> 
 def test_core_imports_only_core(name: str) -> None:
     above = sorted(m for m in GRAPH[name] if m not in CORE)
     assert not above, f"{name} (core) imports {above}: the core imports nothing above it"
+
+
+def importers_of_the_driver(graph: dict[str, set[str]]) -> list[str]:
+    """The modules that import ``accumlab.driver`` but sit below it: all but the facade,
+    the command (``cli``, ``__main__``) and the course."""
+    above = {ROOT, "accumlab.cli", "accumlab.__main__"}
+    return sorted(
+        a
+        for a in graph
+        if "accumlab.driver" in graph[a] and a not in above and not a.startswith("accumlab.course")
+    )
+
+
+def test_the_layers_do_not_import_the_driver() -> None:
+    offenders = importers_of_the_driver(GRAPH)
+    assert not offenders, f"{offenders} import accumlab.driver, which builds on them"
+
+
+def test_a_layer_importing_the_driver_is_found(tmp_path: Path) -> None:
+    """Also through a function-level import, and whatever the course and the CLI do."""
+    root = _package(
+        tmp_path,
+        {
+            "__init__.py": "from .driver import train\n",
+            "driver.py": "from .oom import shrink\ndef train(): ...\n",
+            "oom.py": "def shrink():\n    from .driver import train\n",
+            "cli.py": "from .driver import train\n",
+            "course/__init__.py": "",
+            "course/workers.py": "from ..driver import train\n",
+        },
+    )
+    assert importers_of_the_driver(graph_of(root)) == ["accumlab.oom"]
 
 
 def test_the_library_does_not_import_the_course() -> None:
