@@ -6,9 +6,10 @@ directory, where ``<attempts>`` is the run's update attempts so far (8 digits). 
 written by :func:`accumlab.atomic_write.write_atomically` (a temporary file in the same
 directory, flushed and fsynced, then renamed over its final name), so a kill, a full disk
 or a file-size limit at any moment leaves the previous checkpoints intact; a leftover
-temporary file is never read and is removed by the rank's next write. The newest ``keep`` (2) checkpoints of a rank are kept. ``torch.load(
-weights_only=True)`` reads it back, and its SHA-256 checksum must match. Only the run
-that holds the directory's lock (:mod:`accumlab.checkpoint.lock`) writes there.
+temporary file is never read and is removed by the rank's next write. The newest
+``keep`` (2) checkpoints of a rank are kept. ``torch.load(weights_only=True)`` reads it
+back, and its SHA-256 checksum must match. Only the run that holds the directory's lock
+(:mod:`accumlab.checkpoint.lock`) writes there.
 """
 
 from __future__ import annotations

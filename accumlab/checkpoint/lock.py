@@ -171,8 +171,8 @@ class DirectoryLock:
 
     ``with DirectoryLock(directory):`` or :meth:`acquire` / :meth:`release`. Taking it
     creates the directory. Raises :class:`CheckpointDirectoryInUseError` when a live run
-    (another process, or another thread of this one) holds it, or when the holder is on
-    another host; warns when it takes over the lock of a process that is gone.
+    (another process, or another train() call of this one) holds it, or when the holder
+    is on another host; warns when it takes over the lock of a process that is gone.
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
@@ -193,8 +193,8 @@ class DirectoryLock:
             if _HELD.get(self._key) == os.getpid():
                 raise CheckpointDirectoryInUseError(
                     f"checkpoint directory {os.fspath(self.directory)} is in use by another "
-                    "train() call of this process (another thread); wait for it to return, or "
-                    "give this run another directory"
+                    "train() call of this process (in another thread, or one this call runs "
+                    "inside); wait for it to return, or give this run another directory"
                 )
             self.directory.mkdir(parents=True, exist_ok=True)
             self._take()
