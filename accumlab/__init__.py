@@ -4,11 +4,6 @@ The rule every microbatch follows, and the loop that keeps it, are in :mod:`accu
 docs/ARCHITECTURE.md maps the package.
 """
 
-from ._startup import guard_command_start
-
-# First: in the `accumlab` command, Ctrl-C while torch imports is one line, exit 130.
-guard_command_start()
-
 from ._torch_version import check_torch_version
 
 # Before the submodules: on an older torch they would fail on a missing API instead.

@@ -37,7 +37,7 @@ from .files import (
     load_newest_intact,
     save_checkpoint,
 )
-from .lock import DirectoryLock, lock_run_directory
+from .lock import DirectoryLock, check_still_held, lock_run_directory
 from .replay import DataDraws, rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -270,6 +270,9 @@ class Checkpointer:
         def done() -> bool:
             return limit is not None and self.ledger.update_attempts >= limit
 
+        source = iter(windows)
+        self._skip_trained(source)  # the data is checked even when no window is left to train
+        self._put_in_place()
         if done():
             if self.resumed_from is not None and self.ledger.update_attempts > limit:  # type: ignore[operator]
                 warnings.warn(
@@ -279,11 +282,7 @@ class Checkpointer:
                     UserWarning,
                     stacklevel=3,
                 )
-            self._put_in_place()
             return
-        source = iter(windows)
-        self._skip_trained(source)
-        self._put_in_place()
         while not done():
             if self.directory is None:
                 window = next(source, None)
@@ -346,6 +345,7 @@ class Checkpointer:
         """Write this rank's checkpoint now (``None`` without a directory)."""
         if self.directory is None:
             return None
+        check_still_held(self._lock, self.directory)  # another run may own it now
         path = save_checkpoint(
             self.state(), self.directory, self.ledger.update_attempts, rank=self.rank, keep=self.keep
         )

@@ -1,10 +1,14 @@
-"""The checkpoint layer (atomic files, the newest complete checkpoint, refusals, RNG
-states), the ledger as plain data, and the run record that comes from the run."""
+"""The checkpoint layer (atomic files, what a full disk leaves, the newest complete
+checkpoint, refusals, RNG states), the ledger as plain data, and the run record that
+comes from the run."""
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import math
+import os
 import random
 import re
 from pathlib import Path
@@ -136,11 +140,14 @@ def test_save_is_atomic_keeps_the_newest_two_and_ignores_leftovers(tmp_path: Pat
         checkpoint.save_checkpoint({"format": checkpoint.FORMAT, "n": attempts}, tmp_path, attempts)
     assert checkpoint.list_checkpoints(tmp_path) == [3, 2]
     # A write killed midway leaves a temporary file: never listed, removed by the next write.
-    leftover = tmp_path / ".checkpoint-checkpoint-00000004-rank0.abc.tmp"
+    leftover = tmp_path / ".checkpoint-00000004-rank0.pt.abc.tmp"
+    other_rank = tmp_path / ".checkpoint-00000004-rank1.pt.abc.tmp"  # not this rank's to remove
+    other_rank.write_bytes(b"")
     leftover.write_bytes(b"half a checkpoint")
     assert checkpoint.list_checkpoints(tmp_path) == [3, 2]
     checkpoint.save_checkpoint({"format": checkpoint.FORMAT, "n": 4}, tmp_path, 4)
     assert not leftover.exists()
+    other_rank.unlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "checkpoint-00000003-rank0.pt",
         "checkpoint-00000004-rank0.pt",
@@ -155,6 +162,72 @@ def test_a_failed_write_leaves_the_previous_checkpoint_intact(tmp_path: Path) ->
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-00000001-rank0.pt"]
     assert checkpoint.load_checkpoint(checkpoint.checkpoint_path(tmp_path, 1))["n"] == 1
     assert checkpoint.newest_common(tmp_path) == 1
+
+
+class FullDisk(io.RawIOBase):
+    """A file on a disk with ``room`` bytes left: a write past it raises ENOSPC, as the
+    kernel does (a part first, then the error)."""
+
+    def __init__(self, fd: int, room: int) -> None:
+        self.file, self.room = io.FileIO(fd, "wb"), room
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written = self.file.write(bytes(data)[: self.room])
+        self.room -= written
+        return written
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
+
+
+def test_a_full_disk_during_a_write_names_the_file_and_keeps_the_older_ones(tmp_path, monkeypatch):
+    """torch.save reports a failed write as "[enforce fail at inline_container.cc] ...
+    unexpected pos"; the checkpoint layer says what happened, naming the file."""
+    import accumlab.atomic_write
+
+    state = {"format": checkpoint.FORMAT, "w": torch.arange(10_000.0)}
+    checkpoint.save_checkpoint(state, tmp_path, 1)
+    size = checkpoint.checkpoint_path(tmp_path, 1).stat().st_size
+    for room in (0, 100, size // 2, size - 1):
+        monkeypatch.setattr(accumlab.atomic_write.os, "fdopen",
+                            lambda fd, *a, room=room, **k: FullDisk(fd, room))
+        with pytest.raises(OSError) as info:
+            checkpoint.save_checkpoint(state, tmp_path, 2)
+        monkeypatch.undo()
+        assert info.value.errno == errno.ENOSPC
+        assert str(info.value) == (
+            f"[Errno {errno.ENOSPC}] cannot write {checkpoint.checkpoint_path(tmp_path, 2)}: No space "
+            "left on device; the checkpoints written before it are intact"
+        )
+        assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-00000001-rank0.pt"]  # no temp
+        assert torch.equal(checkpoint.load_checkpoint(checkpoint.checkpoint_path(tmp_path, 1))["w"], state["w"])
+
+
+def test_a_write_keeps_a_replaced_files_mode_and_never_replaces_a_link(tmp_path):
+    from accumlab.atomic_write import NotARegularFileError, write_atomically
+
+    target = tmp_path / "data.bin"
+    target.write_bytes(b"old")
+    target.chmod(0o600)
+    write_atomically(target, b"new")
+    assert target.read_bytes() == b"new" and target.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(FileExistsError):
+        write_atomically(target, b"newer", overwrite=False)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(NotARegularFileError, match="is a symlink, not a regular file; it was left alone"):
+        write_atomically(link, lambda f: f.write(b"through the link"))
+    assert link.is_symlink() and target.read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.bin", "link"]  # no temp left
 
 
 def test_load_is_weights_only(tmp_path: Path) -> None:
