@@ -14,6 +14,7 @@ relative tolerance ``match`` too.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..checks import MISTAKES as LOOP_MISTAKES
@@ -21,6 +22,8 @@ from .reference import WindowMeasure, same_on_every_rank
 
 #: Every name ``TrainerAuditReport.mistakes`` can hold, in the order they are reported.
 TRAINER_MISTAKES: tuple[str, ...] = (
+    "pad_predicts_target",
+    "attention_crosses_examples",
     "count_before_shift",
     "ignored_tokens_counted",
     "scored_targets_missed",
@@ -31,6 +34,7 @@ TRAINER_MISTAKES: tuple[str, ...] = (
     "no_division",
     "wrong_normalization",
     "not_token_mean",
+    "depends_on_split",
     "ranks_disagree",
 )
 assert {
@@ -70,6 +74,19 @@ CAUSES: dict[str, str] = {
         "is not the audited mean (label smoothing, a custom weighting, a different loss)"
     ),
     "ranks_disagree": "the data-parallel ranks hold different gradients after the sync",
+    "pad_predicts_target": (
+        "a padding position predicts a real token: with left padding the pad before each "
+        "row's first token is scored against it, a target no example has"
+    ),
+    "attention_crosses_examples": (
+        "several examples share a row (packing, padding-free flattening) and the model's "
+        "attention reaches across them (or a target crosses from one example into the next): "
+        "each example's loss depends on its neighbours"
+    ),
+    "depends_on_split": (
+        "the job's gradient for the same examples changes with how they are split into "
+        "microbatches: the loss is not a sum over examples divided once per window"
+    ),
 }
 
 
@@ -100,7 +117,12 @@ def name_causes(m: WindowMeasure, *, ok_tol: float, match: float) -> Finding:
             f"rank gradients differ from their mean by up to {m.rank_spread:.2e} (relative): "
             "the model is not synchronised across ranks (is it wrapped in DDP?)"
         )
-    if m.relative_error <= ok_tol:
+        return _ordered(found)  # each rank measures its own gradient: nothing else is common
+    found.update(_collation_facts(m, ok_tol))
+    token = m.fits.get("token")
+    if m.relative_error <= ok_tol and (token is None or _nearest(m, token.constant, match) is None):
+        return _ordered(found)
+    if found.keys() - {"ranks_disagree"}:
         return _ordered(found)
     fits = {k: f for k, f in m.fits.items() if f.residual <= match}
     if m.ranks == 1:  # a per-rank mean is the per-target pattern itself
@@ -127,12 +149,63 @@ def name_causes(m: WindowMeasure, *, ok_tol: float, match: float) -> Finding:
     return _ordered(found)
 
 
+def _collation_facts(m: WindowMeasure, ok_tol: float) -> dict[str, str]:
+    """What the collated microbatches do that the examples do not: integer facts (targets
+    scored at a padding position or across examples), and packed rows whose gradient
+    differs from the examples' own."""
+    found = {}
+    crossing = m.job_targets - m.padding_targets - m.targets
+    if m.padding_targets and m.job_targets > m.targets:
+        found["pad_predicts_target"] = (
+            f"the collated microbatches score {m.job_targets} {m.unit}s where the examples, each "
+            f"in its own row, have {m.targets}: {m.padding_targets} are predicted from a padding "
+            f"position; measured scale {m.scale:.4f}, relative error {m.relative_error:.2e}"
+        )
+    if m.packed_rows and (crossing > 0 or (m.relative_error > ok_tol and not m.replayed)):
+        across = f"{crossing} targets cross from one example into the next; " if crossing > 0 else ""
+        found["attention_crosses_examples"] = (
+            f"{m.packed_rows} rows hold several examples; {across}the gradient is {m.scale:.4f} x "
+            f"the examples' own, each in its own row, relative error {m.relative_error:.2e}"
+        )
+    return found
+
+
+def _candidates(m: WindowMeasure) -> list[tuple[float, str | None]]:
+    """Divisors a job's token pattern may carry, with the name each stands for (None: the
+    window's count, the right one)."""
+    a, d, n, n_pre = m.microbatches, m.ranks, m.targets, m.counted
+    out: list[tuple[float, str | None]] = [(float(n), None)]
+    if n_pre != n:
+        out += [(float(n_pre), "count_before_shift"), (float(a * n_pre), "double_division")]
+    out += [(float(a * n), "double_division"), (1.0, "no_division"), (float(d), "no_division")]
+    count = m.trainer_count if same_on_every_rank(m.rank_trainer_counts) else None
+    if count is not None and count != n:
+        out.append((count, "scored_targets_missed" if count < n else "ignored_tokens_counted"))
+    return out
+
+
+def _nearest(m: WindowMeasure, constant: float, match: float) -> str | None:
+    """The name of the candidate divisor nearest ``1 / constant`` (None for the window's
+    own count, or when none is within ``match``, relative): counts are integers, so the
+    nearest one is named whatever the precision's rounding."""
+    if not constant > 0:
+        return "wrong_normalization"
+    divisor = 1.0 / constant
+    ranked = sorted(_candidates(m), key=lambda c: abs(math.log(divisor / c[0])) if c[0] > 0 else math.inf)
+    value, name = ranked[0]
+    if abs(divisor / value - 1.0) > match:
+        return "wrong_normalization"
+    return name
+
+
 def _token(m: WindowMeasure, pattern: str, constant: float, match: float) -> dict[str, str]:
     """Every target weighs the same: name the divisor (empty when it is unknown)."""
     a, d, n, n_pre, unit = m.microbatches, m.ranks, m.targets, m.counted, m.unit
     divisor = 1.0 / constant
     count = m.trainer_count if same_on_every_rank(m.rank_trainer_counts) else None
-    if _near(divisor, n_pre, match) and n_pre != n:
+    if _nearest(m, constant, match) is None:
+        return {}
+    if _near(divisor, n_pre, match) and n_pre != n and _nearest(m, constant, match) == "count_before_shift":
         return {"count_before_shift": (
             f"the gradient is the correct one times {n / n_pre:.4f} = {n}/{n_pre}: "
             f"divided by {n_pre} counted labels where {n} {unit}s are scored"
