@@ -213,9 +213,10 @@ def audit_trainer(
     for note in (_version_note(), _checkpointing_note(trainer)):
         if note is not None:
             report.notes.append(note)
-    if report.checked and len(report.windows) < asked:
+    audited = len(report.invariance or report.windows)
+    if report.checked and audited < asked:
         held = "the run takes" if steps < asked else "the first epoch holds"
-        report.notes.append(f"{held} {len(report.windows)} windows; {asked} were asked for")
+        report.notes.append(f"{held} {audited} windows; {asked} were asked for")
     return report
 
 

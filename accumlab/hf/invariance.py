@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .capture import CapturedWindow, held_gradient
@@ -65,27 +66,38 @@ class Invariance:
     reason: str = ""
 
 
-def rows_of(batch: dict[str, Any]) -> int:
-    """Rows of a collated microbatch: the leading size its tensors share (the largest when
-    they disagree, e.g. a DPO batch's pairs)."""
+def rows_of(batch: dict[str, Any], examples: int | None = None) -> int:
+    """Examples in a collated microbatch: ``examples`` (the configured microbatch size)
+    when every tensor's leading size is a multiple of it (a preference batch stacks its
+    chosen and rejected rows: 2m), else the smallest leading size its tensors have."""
     sizes = [v.shape[0] for v in batch.values() if isinstance(v, Tensor) and v.dim() >= 1]
-    return max(sizes) if sizes else 0
+    if not sizes:
+        return 0
+    if examples and all(n % examples == 0 for n in sizes):
+        return examples
+    return min(sizes)
 
 
-def slice_rows(batch: dict[str, Any], start: int, stop: int, rows: int) -> dict[str, Any]:
-    """Rows ``start:stop`` of a collated microbatch: every tensor whose leading size is
-    ``rows`` is sliced, anything else is kept as it is."""
-    return {
-        k: (v[start:stop].clone() if isinstance(v, Tensor) and v.dim() >= 1 and v.shape[0] == rows else v)
-        for k, v in batch.items()
-    }
+def slice_rows(batch: dict[str, Any], start: int, stop: int, examples: int) -> dict[str, Any]:
+    """Examples ``start:stop`` of a collated microbatch of ``examples`` examples: a tensor
+    whose leading size is ``k · examples`` holds ``k`` blocks of one row per example
+    (chosen rows, then rejected rows), each block sliced alike; anything else is kept."""
+    out: dict[str, Any] = {}
+    for k, v in batch.items():
+        if isinstance(v, Tensor) and v.dim() >= 1 and v.shape[0] % examples == 0 and v.shape[0] >= examples:
+            blocks = v.shape[0] // examples
+            parts = [v[j * examples + start : j * examples + stop] for j in range(blocks)]
+            out[k] = torch.cat(parts).clone() if blocks > 1 else parts[0].clone()
+        else:
+            out[k] = v
+    return out
 
 
-def finer_splits(window: CapturedWindow) -> list[tuple[int, list[dict[str, Any]]]]:
+def finer_splits(window: CapturedWindow, examples: int | None = None) -> list[tuple[int, list[dict[str, Any]]]]:
     """``(m', microbatches)`` for ``(m/2, 2A)`` (``m`` even) and ``(1, m·A)``; none for
     ``m = 1`` or microbatches of unequal sizes."""
     batches = [mb.inputs for mb in window.microbatches]
-    sizes = {rows_of(b) for b in batches}
+    sizes = {rows_of(b, examples) for b in batches}
     if len(sizes) != 1:
         return []
     (m,) = sizes
@@ -139,13 +151,14 @@ def split_invariance(trainer: Any, model: Any, window: CapturedWindow, tol: floa
     compare. Call it inside :func:`accumlab.hf.state.preserved_trainer`, with the
     window's gradient held in ``window.gradient``; ``model`` is the one ``training_step``
     gets."""
-    m = rows_of(window.microbatches[0].inputs) if window.microbatches else 0
+    examples = trainer.args.per_device_train_batch_size
+    m = rows_of(window.microbatches[0].inputs, examples) if window.microbatches else 0
     a = len(window.microbatches)
     if any(mb.random for mb in window.microbatches):
         return Invariance(m, a, [], [], {}, reason=(
             "the job's steps draw random numbers (dropout), which change with the split: turn "
             "dropout off to check that its gradient does not depend on the split"))
-    splits = finer_splits(window)
+    splits = finer_splits(window, examples)
     if not splits:
         return Invariance(m, a, [], [], {}, reason=(
             f"a microbatch of {m} example row{'s' if m != 1 else ''}"
@@ -153,11 +166,18 @@ def split_invariance(trainer: Any, model: Any, window: CapturedWindow, tol: floa
     g, f = window.gradient, window.factor
     device = trainer.args.device
     measures: list[SplitMeasure] = []
+    args = trainer.args
+    configured = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
     for size, batches in splits:
         model.zero_grad(set_to_none=True)
         window.microbatches[0].rng.restore()
-        samples, num_items = batch_samples(trainer, iter(batches), len(batches), device)
-        train_window(trainer, model, samples, num_items)
+        # the split as the job would be configured for it: a loss that reads A sees it
+        args.per_device_train_batch_size, args.gradient_accumulation_steps = size, len(batches)
+        try:
+            samples, num_items = batch_samples(trainer, iter(batches), len(batches), device)
+            train_window(trainer, model, samples, num_items)
+        finally:
+            args.per_device_train_batch_size, args.gradient_accumulation_steps = configured
         other = held_gradient(trainer.model)
         oo = dot(other, other)
         factor = f * dot(g, other) / oo if oo > 0 else math.nan

@@ -121,10 +121,9 @@ class TrainerAuditReport:
         for name in self.mistakes:
             lines += _wrap(f"  cause {name}: {CAUSES[name]}", "    ")
             lines += _wrap(f"    measured: {self.evidence[name]}", "      ")
-        if self.fix and self.fix_is_advice:
-            lines.append("  fix (no pasteable code for this loss; what to change):")
-        elif self.fix:
-            lines.append("  fix (paste; then run the audit again):")
+        if self.fix:
+            lines.append("  fix (what to change; then run the audit again):" if self.fix_is_advice
+                         else "  fix (paste; then run the audit again):")
             lines += ["    " + line if line else "" for line in self.fix.rstrip("\n").split("\n")]
         for n in self.notes:
             lines += _wrap(f"  note: {n}", "    ")
