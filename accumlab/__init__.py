@@ -21,9 +21,7 @@ from .checkpoint import (
     ResumeMismatchError,
 )
 from .checks import (
-    AuditReport,
     GradientComparison,
-    audit,
     compare,
     compare_gradients,
     gradients,
@@ -36,6 +34,8 @@ from .distributed import ExampleIdCheck, check_example_ids, launch
 from .driver import train
 from .ledger import Ledger, RunRecord, scaler_settings
 from .loop import accumulate, train_window
+from .loop_audit.report import AuditReport
+from .loop_audit.run import audit
 from .memory import MemoryMeter
 from .objectives import ExampleLoss, NextTokenLoss, Objective
 from .oom import CannotShrinkError

@@ -6,7 +6,7 @@ can add to the figure and a test can read the drawn data back under the Agg back
 without a display. Every helper draws on ``ax`` (or ``axes``) when given, else on a new
 figure.
 
-The window's timeline is recorded, not drawn by hand: :class:`WindowRecorder` hooks a
+The window's timeline is recorded, not drawn by hand: :class:`TimelineRecorder` hooks a
 real run (forward, backward, DDP gradient sync, unscale, check, clip, step, clear) and
 keeps its events in order; :func:`record_window` records one ``train_window`` call;
 :func:`timeline_boxes` lays the events out and :func:`plot_window_timeline` draws them.
@@ -281,18 +281,33 @@ def plot_updates_and_examples(
 
 # ----------------------------------------------------------------------------- the window's timeline
 
-#: What :class:`WindowRecorder` records, in the order a correct window makes them (the
+#: What :class:`TimelineRecorder` records, in the order a correct window makes them (the
 #: microbatch side, then the boundary): ``"skip"`` is a ``scaler.step`` that made no
 #: ``optimizer.step()`` call.
 EVENT_KINDS = (
-    "forward", "backward", "sync", "unscale", "check", "clip", "step", "skip", "update scale",
+    "forward",
+    "backward",
+    "sync",
+    "unscale",
+    "check",
+    "clip",
+    "step",
+    "skip",
+    "update scale",
     "clear",
-)  # fmt: skip
+)
 _COLORS = {
-    "forward": "#9ecae1", "backward": "#3182bd", "sync": "#e6550d", "unscale": "#fdae6b",
-    "check": "#a1d99b", "clip": "#74c476", "step": "#31a354", "skip": "#de2d26",
-    "update scale": "#bcbddc", "clear": "#d9d9d9",
-}  # fmt: skip
+    "forward": "#9ecae1",
+    "backward": "#3182bd",
+    "sync": "#e6550d",
+    "unscale": "#fdae6b",
+    "check": "#a1d99b",
+    "clip": "#74c476",
+    "step": "#31a354",
+    "skip": "#de2d26",
+    "update scale": "#bcbddc",
+    "clear": "#d9d9d9",
+}
 _DARK = {_COLORS[k] for k in ("backward", "sync", "step", "skip")}
 
 
@@ -328,7 +343,7 @@ class _HookState:
 
     def __init__(self, group: Any) -> None:
         self.group = group
-        self.recorder: WindowRecorder | None = None
+        self.recorder: TimelineRecorder | None = None
 
 
 def _recording_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
@@ -340,10 +355,11 @@ def _recording_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
     return allreduce_hook(state.group, bucket)
 
 
-class WindowRecorder:
-    """Record what a window really does, in order, on this rank: a context manager.
+class TimelineRecorder:
+    """Record when each step of a window runs, in order and timed, on this rank: the
+    time-line :func:`plot_window_timeline` draws. A context manager.
 
-    Inside ``with WindowRecorder(model, optimizer, scaler) as rec:`` every forward pass
+    Inside ``with TimelineRecorder(model, optimizer, scaler) as rec:`` every forward pass
     (module forward pre/post hooks), backward pass (from the first to the last parameter
     gradient: ``torch.autograd.graph.register_multi_grad_hook``), DDP gradient
     synchronization (a DDP communication hook that all-reduces exactly like DDP's default),
@@ -355,6 +371,10 @@ class WindowRecorder:
     cannot remove one; it stays a plain all-reduce that records nothing). A DDP model takes
     one communication hook, so do not also attach a ``SyncCounter``: count the ``"sync"``
     events instead. One recorder at a time (it patches two module functions).
+
+    It records when, not what: the loop audit's ``UpdateTrace``
+    (:mod:`accumlab.loop_audit.trace`) records which examples and weights reached each
+    update, patches no module function, and runs no clock.
     """
 
     _active = False
@@ -444,10 +464,10 @@ class WindowRecorder:
 
         self._undo.append(undo)
 
-    def __enter__(self) -> WindowRecorder:
-        if WindowRecorder._active:
-            raise RuntimeError("a WindowRecorder is already recording; nest none")
-        WindowRecorder._active = True
+    def __enter__(self) -> TimelineRecorder:
+        if TimelineRecorder._active:
+            raise RuntimeError("a TimelineRecorder is already recording; nest none")
+        TimelineRecorder._active = True
         try:
             self._install()
         except BaseException:
@@ -520,7 +540,7 @@ class WindowRecorder:
     def __exit__(self, *exc: object) -> None:
         while self._undo:
             self._undo.pop()()
-        WindowRecorder._active = False
+        TimelineRecorder._active = False
 
     def count(self, kind: str) -> int:
         """How many ``kind`` events were recorded (e.g. ``"sync"``)."""
@@ -535,7 +555,7 @@ def record_window(
     **train_window_kwargs: Any,
 ) -> list[WindowEvent]:
     """Run ``accumlab.train_window(model, window, optimizer, objective, **kwargs)`` once
-    inside a :class:`WindowRecorder` and return its events in the order they happened.
+    inside a :class:`TimelineRecorder` and return its events in the order they happened.
 
     Single device, e.g. in notebook 01::
 
@@ -549,7 +569,7 @@ def record_window(
     from ..loop import train_window
 
     scaler = train_window_kwargs.get("scaler")
-    with WindowRecorder(model, optimizer, scaler) as recorder:
+    with TimelineRecorder(model, optimizer, scaler) as recorder:
         train_window(model, window, optimizer, objective, **train_window_kwargs)
     return recorder.events
 
@@ -629,7 +649,7 @@ def plot_window_timeline(
     labelled box per event, coloured by kind, with a legend of the kinds that occur.
 
     ``runs`` maps a label to the events of :func:`record_window` (or a
-    :class:`WindowRecorder`), e.g. ``{"one device": events}``; DDP ranks' events of one run
+    :class:`TimelineRecorder`), e.g. ``{"one device": events}``; DDP ranks' events of one run
     go under one label and get a lane each. ``order=False`` draws real time (ms) instead
     of the order axis; labels are then left out (the boxes are too narrow to read).
     """
@@ -646,9 +666,14 @@ def plot_window_timeline(
         ax.barh(y, b.width, left=b.x, height=0.7, color=b.color, edgecolor="black", lw=0.5)
         if order:
             ax.text(
-                b.x + b.width / 2, y, b.label, ha="center", va="center", fontsize=7,
+                b.x + b.width / 2,
+                y,
+                b.label,
+                ha="center",
+                va="center",
+                fontsize=7,
                 color=b.text_color,
-            )  # fmt: skip
+            )
     ax.set_yticks(range(len(lanes)), list(reversed(lanes)))
     ax.set_ylim(-0.6, len(lanes) - 0.4)
     ax.set_xlabel("order of events" if order else "time since the window began (ms)")
@@ -657,9 +682,12 @@ def plot_window_timeline(
     kinds = [k for k in EVENT_KINDS if any(b.kind == k for b in boxes)]
     ax.legend(
         handles=[Patch(facecolor=_COLORS[k], edgecolor="black", label=k) for k in kinds],
-        loc="upper center", bbox_to_anchor=(0.5, -0.08 if order else -0.25), ncol=len(kinds),
-        fontsize=7, frameon=False,
-    )  # fmt: skip
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.08 if order else -0.25),
+        ncol=len(kinds),
+        fontsize=7,
+        frameon=False,
+    )
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     if title:

@@ -559,21 +559,21 @@ def unaligned_windows(windows_per_rank: Sequence[int] = (1, 3), accumulation_ste
 
 
 def window_timeline(accumulation_steps: int = 4, sync: str = "window") -> list[Any]:
-    """Record one DDP window on this rank with :class:`accumlab.course.plots.WindowRecorder`
+    """Record one DDP window on this rank with :class:`accumlab.course.plots.TimelineRecorder`
     and return its events (this rank's forward, backward, gradient syncs, check, step,
     clear, in order). The window is ``al.train_window`` on a fresh DDP model with SGD and
     ``clip_grad_norm=1.0``, ``accumulation_steps`` microbatches of 2 of this rank's
     :func:`uneven_examples`; ``sync="window"`` puts every microbatch but the last in
     ``no_sync`` (one gradient sync), ``"microbatch"`` syncs after every backward (``A``)."""
     from ..loop import train_window
-    from .plots import WindowRecorder
+    from .plots import TimelineRecorder
 
     rank, world = rank_and_world()
     examples = uneven_examples(world)[rank][: 2 * accumulation_steps]
     window = data.microbatches(examples, 2)
     model = wrap(small_model(), "ddp")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with WindowRecorder(model, optimizer) as recorder:
+    with TimelineRecorder(model, optimizer) as recorder:
         train_window(model, window, optimizer, NextTokenLoss(), clip_grad_norm=1.0, sync=sync)
     return recorder.events
 

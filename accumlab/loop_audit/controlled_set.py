@@ -1,6 +1,7 @@
 """The controlled set: windows of microbatches whose correct updates are known, the
 tiny float64 causal language model the user's loop trains, and the counts of every
-example (targets, label positions, attention-mask tokens, labels before the shift)."""
+example (targets, label positions, attention-mask tokens, labels before the shift):
+:class:`Row` and :func:`window_rows`."""
 
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ AUDIT_LR = 0.1
 #: Relative tolerance of every comparison the audit makes (float64 measurements agree to
 #: about 1e-12; a real mistake differs by far more than this).
 AUDIT_TOLERANCE = 1e-6
-_TOL = AUDIT_TOLERANCE
 
 
 @dataclass
@@ -114,7 +114,7 @@ RowKey = tuple[int, int, int]  # (window, microbatch, row)
 
 
 @dataclass(frozen=True)
-class _Row:
+class Row:
     """One example of the controlled set and its counts."""
 
     key: RowKey
@@ -130,7 +130,7 @@ class _Row:
         return self.key[1]
 
 
-def _rows(windows: Sequence[Sequence[Mapping[str, Tensor]]]) -> list[list[_Row]]:
+def window_rows(windows: Sequence[Sequence[Mapping[str, Tensor]]]) -> list[list[Row]]:
     """Every example of every window, in order (microbatch by microbatch, row by row)."""
     out = []
     for k, window in enumerate(windows):
@@ -140,7 +140,7 @@ def _rows(windows: Sequence[Sequence[Mapping[str, Tensor]]]) -> list[list[_Row]]
             for r in range(int(mb["input_ids"].shape[0])):
                 n = int(mb["attention_mask"][r].sum())
                 rows.append(
-                    _Row(
+                    Row(
                         key=(k, i, r),
                         tokens=mb["input_ids"][r, :n].clone(),
                         targets=int((mb["labels"][r, 1:] != -100).sum()),

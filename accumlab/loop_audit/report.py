@@ -1,14 +1,22 @@
 """The audit's report: what it measured on each window (:class:`WindowAudit`) and the
-verdict (:class:`AuditReport`), printed with evidence, symptom and fix."""
+verdict (:class:`AuditReport`), printed with evidence, symptom and fix, then what the
+audit ran and what it does not check (:data:`NOT_CHECKED`)."""
 
 from __future__ import annotations
 
 import textwrap
 from dataclasses import dataclass, field
 
+from ..mistakes import MISTAKES
 from .controlled_set import AUDIT_TOLERANCE
-from .mistakes import ADVICE, NOT_CHECKED
 
+#: What the audit does not check, said in every report.
+NOT_CHECKED = (
+    "Not checked by the audit: non-finite gradients and loss scaling, mixed precision, "
+    "the clipping threshold (a clip is seen only where it changes the controlled set's "
+    "gradients), data-parallel averaging and no_sync, and your own model, data and "
+    "optimizer (it runs the loop on its float64 model, SGD and controlled set)."
+)
 #: The printed report's lines are at most this many characters (a notebook prints it).
 REPORT_WIDTH = 100
 
@@ -46,6 +54,8 @@ class WindowAudit:
     ``scheduler_ahead``: ``scheduler.step()`` calls made by this window's first
     ``optimizer.step()`` beyond the updates before it (0 for a correct loop; 1 when the
     scheduler steps before the optimizer; negative when it falls behind).
+    ``clips``: the factors by which the gradient's norm shrank between two backward passes
+    of this window before its step (a clip of a partial sum; empty for a correct loop).
     """
 
     index: int
@@ -68,19 +78,23 @@ class WindowAudit:
     examples: int = 0
     rows_forwarded: int = 0
     scheduler_ahead: int = 0
+    clips: list[float] = field(default_factory=list)
 
 
 @dataclass
 class AuditReport:
     """The verdict of :func:`audit`.
 
-    ``mistakes``: names from :data:`MISTAKES`, in that order; ``evidence[name]``: what was
-    measured for it. ``other``: findings outside that vocabulary (gradients carried over
+    ``mistakes``: names of the shared table :data:`accumlab.mistakes.MISTAKES` that the
+    loop audit reports, in the table's order; ``evidence[name]``: what was measured for it. ``other``: findings outside that vocabulary (gradients carried over
     from an earlier window, a scheduler that never advances, an update nothing explains).
     ``ok`` is True when both are empty and every window's update matches the correct one
     within :data:`AUDIT_TOLERANCE`. ``str(report)`` gives, per mistake, the evidence, the
-    symptom a user would see in a real run, and the fix, then what the audit ran and what it
-    does not check, each wrapped at :data:`REPORT_WIDTH` characters a line.
+    symptom a user would see in a real run, and the fix, then two paragraphs that explain
+    the audit (:attr:`explanation`: what it ran and what it does not check), each wrapped
+    at :data:`REPORT_WIDTH` characters a line. To print several reports with the
+    explanation once, print ``report.text(explain=False)`` for each (the same text without
+    those two paragraphs) and ``report.explanation`` once.
 
     What the audit ran: ``examples`` in the controlled set (``microbatches`` of them);
     ``loop_forwards`` forward passes of your loop over ``loop_rows`` rows; and
@@ -140,7 +154,15 @@ class AuditReport:
             )
         )
 
-    def __str__(self) -> str:
+    @property
+    def explanation(self) -> str:
+        """The two closing paragraphs of every report: what the audit ran
+        (:attr:`ran`) and what it does not check (:data:`NOT_CHECKED`)."""
+        return "\n".join((_wrap(self.ran), _wrap(NOT_CHECKED)))
+
+    def text(self, *, explain: bool = True) -> str:
+        """The printed report; ``explain=False`` leaves out :attr:`explanation` (print it
+        once for several reports). ``str(report)`` is ``report.text()``."""
         head = (
             f"{len(self.windows)} windows, {self.microbatches} microbatches, {self.examples} "
             "examples of a controlled set"
@@ -150,24 +172,30 @@ class AuditReport:
             error = "below 1e-12" if worst < 1e-12 else f"{worst:.1e}"  # float64 rounding only
             once = self.windows[0].kept_tensors if len(self.windows) > 1 else 0
             kept = f" but {once} made once in the first window" if once else ""
-            verdict = (
-                f"audit: ok ({head}). Every update matches the reference (largest relative "
-                f"error {error}); one optimizer.step and, after it, one scheduler.step per "
-                f"window; no tensor outlived its window{kept}."
-            )
-            return "\n".join(_wrap(text) for text in (verdict, self.ran, NOT_CHECKED))
-        count = len(self.mistakes)
-        lines = [_wrap(f"audit: {count} mistake{'s' if count != 1 else ''} found ({head})")]
-        indent = " " * len("    evidence: ")
-        for name in self.mistakes:
-            symptom, fix = ADVICE[name]
-            lines += [
-                f"- {name}",
-                _wrap(self.evidence[name], "    evidence: ", indent),
-                _wrap(symptom, "    symptom:  ", indent),
-                _wrap(fix, "    fix:      ", indent),
+            lines = [
+                _wrap(
+                    f"audit: ok ({head}). Every update matches the reference (largest relative "
+                    f"error {error}); one optimizer.step and, after it, one scheduler.step per "
+                    f"window; no tensor outlived its window{kept}."
+                )
             ]
-        for note in self.other:
-            lines.append(_wrap(note, "- also: ", "    "))
-        lines += [_wrap(self.ran), _wrap(NOT_CHECKED)]
+        else:
+            count = len(self.mistakes)
+            lines = [_wrap(f"audit: {count} mistake{'s' if count != 1 else ''} found ({head})")]
+            indent = " " * len("    evidence: ")
+            for name in self.mistakes:
+                mistake = MISTAKES[name]
+                lines += [
+                    f"- {name}",
+                    _wrap(self.evidence[name], "    evidence: ", indent),
+                    _wrap(mistake.symptom, "    symptom:  ", indent),
+                    _wrap(mistake.fix, "    fix:      ", indent),
+                ]
+            for note in self.other:
+                lines.append(_wrap(note, "- also: ", "    "))
+        if explain:
+            lines.append(self.explanation)
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.text()

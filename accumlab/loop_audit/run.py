@@ -1,5 +1,5 @@
-"""``audit``: run the user's window loop on the controlled set under watch, and return
-the verdict."""
+"""``audit``: run the user's window loop on the controlled set under an
+:class:`~accumlab.loop_audit.trace.UpdateTrace`, and return the verdict."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
-from .controlled_set import AUDIT_LR, AuditLM, _rows, audit_windows
+from .contributions import Contributions
+from .controlled_set import AUDIT_LR, AuditLM, audit_windows, window_rows
 from .report import AuditReport
-from .verdict import _Verdict
-from .watch import _changes, _flat, _Watch
+from .trace import UpdateTrace, flat, window_changes
+from .verdict import verdict
 
 
 def _check_loop(fn: object) -> None:
@@ -64,13 +65,14 @@ def audit(train_one_window: Callable[..., Any], *, seed: int = 0) -> AuditReport
       tokens, shifted or not, instead of targets), a count taken before the shift (a row's
       first label counted), lost microbatches (an example never trained, as when pairs of
       microbatches drop the last of an odd window), duplicated microbatches (trained
-      twice), zero_grad inside
-      the window (trained, then cleared), gradients carried over from earlier windows;
-      when it is no combination of them, the same with targets not shifted or shifted
-      twice names those;
+      twice), zero_grad inside the window (trained, then cleared), gradients carried over
+      from earlier windows; when it is no combination of them, the same with targets not
+      shifted or shifted twice names those;
     - ``optimizer.step`` and ``scheduler.step`` calls per window and their order (no
-      update, step or scheduler per microbatch, scheduler stepped before the optimizer) and
-      ``zero_grad`` calls between a backward pass and the step that should use it;
+      update, step or scheduler per microbatch, scheduler stepped before the optimizer),
+      ``zero_grad`` calls between a backward pass and the step that should use it, and a
+      gradient that shrank between two backward passes of a window (a clip of a partial
+      sum: ``clip_per_microbatch``; the window's weighting is then not read);
     - tensors created during a window that are still alive (after ``gc.collect()``) once
       the last window is done (kept references: from a window after the first, since the
       first may create what is made once, such as a cache), and tensors of the window the
@@ -80,11 +82,13 @@ def audit(train_one_window: Callable[..., Any], *, seed: int = 0) -> AuditReport
     gradient matches the correct one within :data:`AUDIT_TOLERANCE` (1e-6 relative).
 
     What it does not check: non-finite gradients, loss scaling and skipped updates
-    (GradScaler), mixed precision, clipping, data-parallel averaging (``× D``) and
-    ``no_sync``, dropout or BatchNorm, and your own model, data loader, optimizer and
-    learning rate: the loop runs on the audit's model, optimizer and data. Autocast leaves
-    the float64 model alone, so a loop's mixed precision is not even exercised; clipping
-    below the gradient norm shows up in ``report.other`` as updates scaled by a factor.
+    (GradScaler), mixed precision, the clipping threshold, data-parallel averaging
+    (``× D``) and ``no_sync``, dropout or BatchNorm, and your own model, data loader,
+    optimizer and learning rate: the loop runs on the audit's model, optimizer and data.
+    Autocast leaves the float64 model alone, so a loop's mixed precision is not even
+    exercised. A clip is seen only where it changes the controlled set's gradients: per
+    microbatch it is named, once below the gradient norm it shows up in ``report.other``
+    as updates scaled by a factor.
 
     Returns an :class:`AuditReport`. The global random state is left as it was.
     Exceptions from ``train_one_window`` propagate, with a note naming the window.
@@ -105,7 +109,7 @@ def audit(train_one_window: Callable[..., Any], *, seed: int = 0) -> AuditReport
 
 def _audit(train_one_window: Callable[..., Any], seed: int) -> AuditReport:
     windows = audit_windows(seed)
-    rows = _rows(windows)
+    rows = window_rows(windows)
     changed: list[str] = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -113,13 +117,13 @@ def _audit(train_one_window: Callable[..., Any], seed: int) -> AuditReport:
         reference = copy.deepcopy(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=AUDIT_LR, momentum=0.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0)
-        watch = _Watch(model, optimizer, scheduler, rows)
+        trace = UpdateTrace(model, optimizer, scheduler, rows)
         starts = []
         for k, window in enumerate(windows):
-            starts.append(watch.theta_index(_flat(watch.params)))
+            starts.append(trace.theta_index(flat(trace.params)))
             given = [{key: v.clone() for key, v in mb.items()} for mb in window]
             held = list(given)  # the dicts, even if the loop pops them from its list
-            with watch.begin(k), warnings.catch_warnings():
+            with trace.begin(k), warnings.catch_warnings():
                 # The report names a scheduler.step() before optimizer.step()
                 # (scheduler_before_optimizer) with the counts; the warning would repeat it.
                 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
@@ -129,8 +133,9 @@ def _audit(train_one_window: Callable[..., Any], seed: int) -> AuditReport:
                     if hasattr(exc, "add_note"):  # Python 3.11+
                         exc.add_note(f"(raised by train_one_window on audit window {k})")
                     raise
-            changed += _changes(k, window, held)
+            changed += window_changes(k, window, held)
             del given, held
-        final = _flat(watch.params)
+        final = flat(trace.params)
         gc.collect()
-        return _Verdict(watch, windows, rows, starts, final, reference).report(optimizer, changed)
+        contributions = Contributions(reference, windows, rows, trace.thetas)
+        return verdict(trace, contributions, starts, final, optimizer, changed)

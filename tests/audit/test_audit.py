@@ -8,7 +8,6 @@ audit's own contract (arguments, errors, random state, the controlled set).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import itertools
 import re
 from pathlib import Path
@@ -18,33 +17,17 @@ import torch
 from helpers import audit_loops as loops
 
 import accumlab as al
-from accumlab.loop_audit.controlled_set import AUDIT_WINDOWS, _rows, audit_windows
-from accumlab.loop_audit.mistakes import MISTAKES
-from accumlab.loop_audit.shares import MEAN_BY_EXAMPLES, PER_EXAMPLE, _weightings
+from accumlab.loop_audit.controlled_set import (
+    AUDIT_TOLERANCE,
+    AUDIT_WINDOWS,
+    audit_windows,
+    window_rows,
+)
+from accumlab.loop_audit.report import NOT_CHECKED
+from accumlab.loop_audit.weightings import MEAN_BY_EXAMPLES, PER_EXAMPLE, weightings
+from accumlab.mistakes import MISTAKES
 
 report_of = loops.report_of
-
-
-def test_vocabulary():
-    assert MISTAKES == (
-        "double_division",
-        "average_of_averages",
-        "ignored_tokens_counted",
-        "count_before_shift",
-        "labels_not_shifted",
-        "labels_shifted_twice",
-        "lost_microbatches",
-        "duplicated_microbatch",
-        "zero_grad_in_window",
-        "no_update",
-        "step_per_microbatch",
-        "scheduler_per_microbatch",
-        "scheduler_before_optimizer",
-        "kept_references",
-        "window_modified_in_place",
-    )
-    assert set(al.checks.ADVICE) == set(MISTAKES)
-    assert al.checks.audit is al.audit and al.checks.MISTAKES is MISTAKES  # re-exported
 
 
 @pytest.mark.parametrize(
@@ -70,7 +53,7 @@ def test_ok_requires_the_update_to_match_within_the_tolerance():
     wrong = al.AuditReport([], {}, [], [off, *report.windows[1:]])
     assert not wrong.ok
     assert not str(wrong).startswith("audit: ok")
-    assert al.checks.AUDIT_TOLERANCE == 1e-6
+    assert AUDIT_TOLERANCE == 1e-6
 
 
 def test_lost_microbatches_are_named_with_the_missing_targets():
@@ -182,11 +165,11 @@ def test_per_example_means_are_an_average_of_averages_over_examples():
         "(targets in the example × examples in the window)"
         in report.evidence["average_of_averages"]
     )
-    rows = _rows(audit_windows())
-    for w, window_rows in zip(report.windows, rows, strict=True):
+    rows = window_rows(audit_windows())
+    for w, examples in zip(report.windows, rows, strict=True):
         flat = [x for mb in w.example_weights for x in mb]
-        for x, row in zip(flat, window_rows, strict=True):
-            assert x == pytest.approx(w.targets / (row.targets * len(window_rows)), rel=1e-9)
+        for x, row in zip(flat, examples, strict=True):
+            assert x == pytest.approx(w.targets / (row.targets * len(examples)), rel=1e-9)
 
 
 def test_ignored_tokens_evidence_names_the_count_used():
@@ -208,6 +191,32 @@ def test_counts_per_window_are_reported():
     zeroed = report_of(loops.zero_grad_in_window)
     assert [w.cleared_gradients for w in zeroed.windows] == [3, 3, 3, 2]
     assert zeroed.windows[0].weights == pytest.approx([0, 0, 0, 1], abs=1e-9)
+
+
+def test_clipping_after_every_backward_pass_is_named_clip_per_microbatch():
+    """Clipping a partial sum of the window's gradient is its own mistake, not a zero_grad
+    in the window (the weights of the early microbatches fall to ~1e-9, but nothing was
+    cleared): its fix is to clip once, after the last backward pass, before step."""
+    for loop in (
+        loops.clips_every_microbatch,
+        loops.clips_every_microbatch_mildly,
+        loops.clips_before_each_backward,
+        loops.clips_values_every_microbatch,
+    ):
+        report = report_of(loop)
+        assert report.mistakes == ["clip_per_microbatch"] and report.other == [], str(report)
+        assert "clip once per window" in MISTAKES["clip_per_microbatch"].fix
+    report = report_of(loops.clips_every_microbatch)
+    assert all(w.cleared_gradients == 0 for w in report.windows)
+    evidence = report.evidence["clip_per_microbatch"]
+    assert evidence.startswith(
+        "the gradient shrank between two backward passes of the same window 3, 3, 3, 2 times "
+        "(windows 0, 1, 2, 3)"
+    ), evidence
+    # a threshold the partial sums never reach changes nothing: not named
+    assert report_of(loops.clips_every_microbatch_above_the_norm).ok
+    # clipping once, after the last backward pass, is right (below the norm: a factor)
+    assert report_of(loops.clipped_below_the_norm).mistakes == []
 
 
 def test_kept_references_counts_what_each_window_left():
@@ -252,9 +261,9 @@ def test_a_scheduler_never_stepped_is_reported():
 
 def test_the_audit_says_what_it_does_not_check():
     for loop in (loops.plain, loops.double_division):
-        assert loops.flat(str(report_of(loop))).endswith(loops.flat(al.checks.NOT_CHECKED))
+        assert loops.flat(str(report_of(loop))).endswith(loops.flat(NOT_CHECKED))
     for words in ("non-finite gradients", "mixed precision", "clipping", "no_sync"):
-        assert words in al.checks.NOT_CHECKED
+        assert words in NOT_CHECKED
     doc = " ".join(al.audit.__doc__.split())
     assert "What it does not check: non-finite gradients" in doc
     assert "within :data:`AUDIT_TOLERANCE`" in doc
@@ -291,10 +300,10 @@ def test_controlled_set_separates_every_weighting_on_every_microbatch():
     candidates (the counts before the shift and the mask tokens after it included) differs
     on some example of every window."""
     original = ("targets", "label positions", "attention-mask tokens")
-    for window, rows in zip(audit_windows(), _rows(audit_windows()), strict=True):
+    for window, rows in zip(audit_windows(), window_rows(audit_windows()), strict=True):
         counts = [int((mb["labels"][:, 1:] != -100).sum()) for mb in window]
         assert min(counts) > 0 and len(set(counts)) == len(counts)
-        candidates = _weightings(rows)
+        candidates = weightings(rows)
         per_microbatch = [
             (w, d)
             for w, d in candidates
@@ -321,7 +330,7 @@ def test_controlled_set_has_first_label_targets_and_an_odd_window():
 def test_controlled_set_examples_are_told_apart_by_their_tokens():
     """A forward pass is matched to examples by their real tokens (padding may be cut or
     added): no example's tokens may start another example's of the same window."""
-    for rows in _rows(audit_windows()):
+    for rows in window_rows(audit_windows()):
         for a in rows:
             for b in rows:
                 n = a.tokens.numel()
@@ -337,25 +346,24 @@ def test_a_buffer_made_once_is_not_a_leak_and_the_ok_text_says_so():
     assert "no tensor outlived its window." in plain
 
 
-def test_the_audit_is_a_subpackage_of_small_modules_and_keeps_its_names():
-    """One idea per module, none over 500 lines; the old import paths keep working, and
-    ``accumlab.loop_audit`` is the subpackage (``accumlab.audit`` is the function)."""
-    import accumlab.loop_audit as package
+def test_audit_has_one_public_address():
+    """``accumlab.audit`` (and ``accumlab.AuditReport``), imported from the modules that
+    define them; neither ``accumlab.checks`` nor the subpackage re-exports them."""
+    import accumlab.checks
+    import accumlab.loop_audit
 
-    folder = Path(package.__file__).parent
-    sizes = {p.name: len(p.read_text().splitlines()) for p in folder.glob("*.py")}
-    assert len(sizes) >= 6 and max(sizes.values()) <= 500, sizes
-    for name in package.__all__:
-        assert getattr(package, name) is getattr(al.checks, name), name
-    assert al.audit is package.audit and callable(al.audit)
-    assert importlib.import_module("accumlab.loop_audit").MISTAKES is MISTAKES
+    assert al.audit.__module__ == "accumlab.loop_audit.run" and callable(al.audit)
+    assert al.AuditReport.__module__ == "accumlab.loop_audit.report"
+    for name in ("audit", "AuditReport", "MISTAKES", "ADVICE", "AuditLM", "audit_windows"):
+        assert not hasattr(accumlab.checks, name), name
+        assert name not in vars(accumlab.loop_audit), name
 
 
 def test_a_count_taken_before_the_shift_is_named_with_the_rows_that_start_with_a_target():
     for loop in (loops.counts_before_shift, loops.hf_num_items_before_shift):
         report = report_of(loop)
         assert report.mistakes == ["count_before_shift"] and report.other == []
-        for w, rows in zip(report.windows, _rows(audit_windows()), strict=True):
+        for w, rows in zip(report.windows, window_rows(audit_windows()), strict=True):
             counted = sum(row.labels for row in rows)  # one more per row without a prompt
             assert counted > w.targets
             assert w.weights == pytest.approx([w.targets / counted] * w.microbatches, rel=1e-9)
@@ -402,7 +410,7 @@ def test_pairs_of_microbatches_lose_the_last_of_the_odd_window():
         "window 3: microbatch 2 never reached a backward pass whole (12 of the controlled set's "
         "155 targets)"
     )
-    assert "zip(window[0::2], window[1::2])" in al.checks.ADVICE["lost_microbatches"][1]
+    assert "zip(window[0::2], window[1::2])" in MISTAKES["lost_microbatches"].fix
     assert report_of(loops.pairs_with_the_odd_one).ok
 
 
@@ -451,11 +459,23 @@ def test_the_report_counts_what_the_audit_ran():
     mistaken = report_of(loops.double_division)
     text = str(mistaken)
     assert any(line.startswith("The audit ran ") for line in text.splitlines())
-    assert loops.flat(text).endswith(loops.flat(f"{mistaken.ran} {al.checks.NOT_CHECKED}"))
+    assert loops.flat(text).endswith(loops.flat(f"{mistaken.ran} {NOT_CHECKED}"))
     doc = " ".join(al.audit.__doc__.split())
     sizes = ", ".join(str(len(w)) for w in AUDIT_WINDOWS[:-1]) + f" and {len(AUDIT_WINDOWS[-1])}"
     assert f"four windows ({sizes} microbatches, {examples} examples" in doc
     assert "a correct loop costs 45 forward passes over 60 rows" in doc
+
+
+def test_a_report_prints_without_the_shared_explanation():
+    """``text(explain=False)`` is the report without its two closing paragraphs (what the
+    audit ran, what it does not check), which ``explanation`` holds, to print once."""
+    for loop in (loops.plain, loops.review_window):
+        report = report_of(loop)
+        short, explanation = report.text(explain=False), report.explanation
+        assert str(report) == report.text() == f"{short}\n{explanation}"
+        assert "Not checked by the audit" not in short and "The audit ran" not in short
+        assert loops.flat(explanation) == loops.flat(f"{report.ran} {NOT_CHECKED}")
+        assert max(len(line) for line in explanation.splitlines()) <= 100
 
 
 NEW_LOOPS = [

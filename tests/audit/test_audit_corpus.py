@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 from helpers import audit_loops as loops
 
-import accumlab as al
+from accumlab.loop_audit.controlled_set import AUDIT_TOLERANCE
+from accumlab.loop_audit.report import NOT_CHECKED
+from accumlab.mistakes import MISTAKES, reported_by
 
 report_of = loops.report_of
 flat = loops.flat
@@ -22,7 +24,7 @@ def test_the_corpus_is_large_and_mixed():
     assert sum(e.ok for _, e in CASES) >= 10
     assert sum(not e.ok for _, e in CASES) >= 20
     named = set().union(*(e.mistakes for _, e in CASES))
-    assert named == set(al.checks.MISTAKES)  # every name has at least one loop
+    assert named == set(reported_by("loop"))  # every name has at least one loop
 
 
 @pytest.mark.parametrize(("loop", "expected"), CASES, ids=[f.__name__ for f, _ in CASES])
@@ -35,16 +37,16 @@ def test_each_loop_gets_its_exact_verdict(loop, expected):
     assert text.startswith("audit: ok") == expected.ok
     if report.ok:
         # ok only when every applied update matches the rule within the stated tolerance
-        assert all(w.update_error <= al.checks.AUDIT_TOLERANCE for w in report.windows), text
+        assert all(w.update_error <= AUDIT_TOLERANCE for w in report.windows), text
         assert all(abs(x - 1) < 1e-9 for w in report.windows for x in w.weights), text
     # The printed report is wrapped at 100 characters a line (07 prints it); the quoted
     # texts are compared with their whitespace collapsed, each in full.
     assert max(len(line) for line in text.splitlines()) <= 100, text
     for name in report.mistakes:
-        symptom, fix = al.checks.ADVICE[name]
+        symptom, fix = MISTAKES[name].symptom, MISTAKES[name].fix
         assert f"\n- {name}\n" in text
         assert flat(f"evidence: {report.evidence[name]} symptom: {symptom} fix: {fix}") in flat(
             text
         )
     # every report says what it ran, then what it does not check
-    assert flat(text).endswith(flat(f"{report.ran} {al.checks.NOT_CHECKED}"))
+    assert flat(text).endswith(flat(f"{report.ran} {NOT_CHECKED}"))

@@ -14,8 +14,8 @@ import pytest  # noqa: E402
 from accumlab.course.plots import (  # noqa: E402
     EVENT_KINDS,
     RunCurve,
+    TimelineRecorder,
     WindowEvent,
-    WindowRecorder,
     curve_points,
     plot_loss_curves,
     plot_updates_and_examples,
@@ -252,9 +252,14 @@ def test_record_window_fp16_skipped_update_has_no_step():
     scaler = torch.amp.GradScaler("cpu")
     with al.inject_nonfinite(model.net[0].weight):
         events = record_window(
-            model, window, optimizer, al.ExampleLoss(), precision="fp16", scaler=scaler,
+            model,
+            window,
+            optimizer,
+            al.ExampleLoss(),
+            precision="fp16",
+            scaler=scaler,
             clip_grad_norm=1.0,
-        )  # fmt: skip
+        )
     kinds = [e.kind for e in events]
     assert kinds[-4:] == ["unscale", "check", "update scale", "clear"]
     assert "step" not in kinds and "clip" not in kinds
@@ -262,9 +267,14 @@ def test_record_window_fp16_skipped_update_has_no_step():
     assert check.detail == "non-finite" and check.label == "check\ninf!"
     # the next window, finite: unscale, check, clip, step, update the scale, clear
     events = record_window(
-        model, window, optimizer, al.ExampleLoss(), precision="fp16", scaler=scaler,
+        model,
+        window,
+        optimizer,
+        al.ExampleLoss(),
+        precision="fp16",
+        scaler=scaler,
         clip_grad_norm=1.0,
-    )  # fmt: skip
+    )
     tail = ["unscale", "check", "clip", "step", "update scale", "clear"]
     assert [e.kind for e in events][-6:] == tail
 
@@ -278,7 +288,7 @@ def test_recorder_sees_a_hand_written_skip_and_restores_everything():
     model, window, optimizer = _mlp_window(a=2)
     scaler = torch.amp.GradScaler("cpu")
     originals = (loop.total_grad_norm, torch.nn.utils.clip_grad_norm_)
-    with WindowRecorder(model, optimizer, scaler) as rec:
+    with TimelineRecorder(model, optimizer, scaler) as rec:
         with al.inject_nonfinite(model.net[0].weight):
             for mb in window:
                 with torch.autocast("cpu", dtype=torch.float16):
@@ -290,12 +300,19 @@ def test_recorder_sees_a_hand_written_skip_and_restores_everything():
         scaler.update()
         optimizer.zero_grad()
         with pytest.raises(RuntimeError, match="already recording"):
-            WindowRecorder(model, optimizer).__enter__()
+            TimelineRecorder(model, optimizer).__enter__()
     kinds = [e.kind for e in rec.events]
     assert kinds == [
-        "forward", "backward", "forward", "backward", "unscale", "clip", "skip",
-        "update scale", "clear",
-    ]  # fmt: skip
+        "forward",
+        "backward",
+        "forward",
+        "backward",
+        "unscale",
+        "clip",
+        "skip",
+        "update scale",
+        "clear",
+    ]
     assert rec.count("forward") == 2 and rec.count("step") == 0
     assert (loop.total_grad_norm, torch.nn.utils.clip_grad_norm_) == originals
     assert "zero_grad" not in vars(optimizer) and "step" not in vars(scaler)
@@ -320,11 +337,11 @@ def test_recorder_undoes_a_failed_start(monkeypatch):
     monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", refuse)  # wrapped, not called
     monkeypatch.setattr(type(optimizer), "register_step_post_hook", refuse)
     with pytest.raises(RuntimeError, match="no hooks today"):
-        WindowRecorder(model, optimizer).__enter__()
+        TimelineRecorder(model, optimizer).__enter__()
     assert not model._forward_hooks and not model._forward_pre_hooks
     assert loop.total_grad_norm is original and "zero_grad" not in vars(optimizer)
     monkeypatch.undo()
-    with WindowRecorder(model, optimizer) as rec:  # a failed start leaves no recorder active
+    with TimelineRecorder(model, optimizer) as rec:  # a failed start leaves no recorder active
         model(torch.ones(1, 6)).sum().backward()
     assert [e.kind for e in rec.events] == ["forward", "backward"]
 
@@ -334,11 +351,11 @@ def test_recorder_rejects_bad_arguments():
 
     model, _, optimizer = _mlp_window()
     with pytest.raises(TypeError, match="optimizer must be"):
-        WindowRecorder(model, model)
+        TimelineRecorder(model, model)
     with pytest.raises(TypeError, match="model must be"):
-        WindowRecorder(optimizer, optimizer)
+        TimelineRecorder(optimizer, optimizer)
     with pytest.raises(TypeError, match="scaler must be"):
-        WindowRecorder(model, optimizer, scaler=torch.ones(1))
+        TimelineRecorder(model, optimizer, scaler=torch.ones(1))
 
 
 def _event(kind, t, rank=0, microbatch=None, detail=""):
@@ -351,10 +368,15 @@ def test_timeline_boxes_one_lane_per_rank_in_order():
     lanes, boxes = timeline_boxes({"DDP": list(reversed(run)) + other, "one": run[:2]})
     assert lanes == ["DDP · rank 0", "DDP · rank 1", "one"]
     assert [(b.lane, b.x, b.label) for b in boxes] == [
-        (0, 0.0, "F0"), (0, 1.0, "B0"), (0, 2.0, "sync"),
-        (1, 0.0, "F0"), (1, 1.0, "B0"), (1, 2.0, "sync"),
-        (2, 0.0, "F0"), (2, 1.0, "B0"),
-    ]  # fmt: skip
+        (0, 0.0, "F0"),
+        (0, 1.0, "B0"),
+        (0, 2.0, "sync"),
+        (1, 0.0, "F0"),
+        (1, 1.0, "B0"),
+        (1, 2.0, "sync"),
+        (2, 0.0, "F0"),
+        (2, 1.0, "B0"),
+    ]
     _, timed = timeline_boxes({"one": run}, order=False)
     assert [b.x for b in timed] == [0.0, 1000.0, 2000.0] and timed[0].width == 500.0
 
@@ -374,8 +396,12 @@ def test_timeline_boxes_rejects_bad_input(runs, error, match):
 
 
 def test_plot_window_timeline_draws_a_labelled_box_per_event():
-    events = [_event("clear", 0), _event("forward", 1, microbatch=0),
-              _event("check", 2, detail="non-finite"), _event("update scale", 3)]  # fmt: skip
+    events = [
+        _event("clear", 0),
+        _event("forward", 1, microbatch=0),
+        _event("check", 2, detail="non-finite"),
+        _event("update scale", 3),
+    ]
     ax = plot_window_timeline({"fp16": events}, title="one window")
     assert len(ax.patches) == 4
     assert [t.get_text() for t in ax.texts] == ["clear", "F0", "check\ninf!", "update\nscale"]

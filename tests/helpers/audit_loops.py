@@ -313,6 +313,17 @@ def autograd_grad_accumulated(model, optimizer, scheduler, window):
     scheduler.step()
 
 
+def clips_every_microbatch_above_the_norm(model, optimizer, scheduler, window):
+    """Clipping after every backward pass with a threshold it never reaches changes nothing."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)
+    optimizer.step()
+    scheduler.step()
+
+
 def clip_above_the_norm(model, optimizer, scheduler, window):
     """Clipping the combined gradient with a threshold it never reaches changes nothing."""
     optimizer.zero_grad()
@@ -593,6 +604,52 @@ def scheduler_at_window_start(model, optimizer, scheduler, window):
     optimizer.step()
 
 
+def clips_every_microbatch(model, optimizer, scheduler, window):
+    """Clips after every backward pass: each clip shrinks a partial sum, and the earlier
+    microbatches again at every later clip (their weights fall to ~1e-9)."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    optimizer.step()
+    scheduler.step()
+
+
+def clips_every_microbatch_mildly(model, optimizer, scheduler, window):
+    """The same with a threshold a partial sum only sometimes passes."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2)
+    optimizer.step()
+    scheduler.step()
+
+
+def clips_before_each_backward(model, optimizer, scheduler, window):
+    """Clips the gradient accumulated so far before each microbatch's backward pass."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        loss = loss_sum(model, mb) / total
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        loss.backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def clips_values_every_microbatch(model, optimizer, scheduler, window):
+    """clip_grad_value_ after every backward pass: each entry clamped on partial sums."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+    optimizer.step()
+    scheduler.step()
+
+
 # -- lost, duplicated and misaligned data -------------------------------------------------
 
 
@@ -866,6 +923,29 @@ def divides_by_examples(model, optimizer, scheduler, window):
 # -- combinations --------------------------------------------------------------------------
 
 
+def clips_and_steps_the_scheduler_per_microbatch(model, optimizer, scheduler, window):
+    """Clip and scheduler.step() after every backward pass."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        scheduler.step()
+    optimizer.step()
+
+
+def clips_every_microbatch_over_a(model, optimizer, scheduler, window):
+    """Clips after every backward pass and divides by A once more: the clip is named; the
+    division is read (and named) once the clip is fixed."""
+    optimizer.zero_grad()
+    total = targets(window)
+    for mb in window:
+        (loss_sum(model, mb) / total / len(window)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    optimizer.step()
+    scheduler.step()
+
+
 def clinic_classic(model, optimizer, scheduler, window):
     """zero_grad, mean / A and the scheduler all inside the microbatch loop."""
     for mb in window:
@@ -944,6 +1024,7 @@ EXPECTED: dict = {
     one_backward_for_window: OK,
     autograd_grad_accumulated: OK,
     clip_above_the_norm: OK,
+    clips_every_microbatch_above_the_norm: OK,
     shuffled_rows: OK,
     with_grad_scaler: OK,
     makes_a_cache_once: OK,
@@ -971,6 +1052,10 @@ EXPECTED: dict = {
     mean_weighted_by_examples: bad("average_of_averages"),
     scheduler_before_step: bad("scheduler_before_optimizer"),
     scheduler_at_window_start: bad("scheduler_before_optimizer"),
+    clips_every_microbatch: bad("clip_per_microbatch"),
+    clips_every_microbatch_mildly: bad("clip_per_microbatch"),
+    clips_before_each_backward: bad("clip_per_microbatch"),
+    clips_values_every_microbatch: bad("clip_per_microbatch"),
     # lost, duplicated, misaligned
     skips_first: bad("lost_microbatches"),
     all_but_last: bad("lost_microbatches"),
@@ -1007,4 +1092,8 @@ EXPECTED: dict = {
         "average_of_averages", "zero_grad_in_window", "scheduler_per_microbatch", "kept_references"
     ),
     skips_first_mean_over_a: bad("lost_microbatches", "average_of_averages"),
+    clips_and_steps_the_scheduler_per_microbatch: bad(
+        "clip_per_microbatch", "scheduler_per_microbatch"
+    ),
+    clips_every_microbatch_over_a: bad("clip_per_microbatch"),
 }

@@ -39,7 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...checks import ADVICE, AuditLM, audit, audit_windows
+from ...loop_audit.controlled_set import AuditLM, audit_windows
+from ...loop_audit.run import audit
+from ...mistakes import MISTAKES
 from . import Exercise
 from .predictions import number_prediction
 
@@ -173,7 +175,7 @@ def check_train_one_window(answer: Any) -> str | None:
             first = report.mistakes[0]
             return (
                 f"the audit found {', '.join(report.mistakes)}. {first}: "
-                f"{report.evidence[first]}. Fix: {ADVICE[first][1]}"
+                f"{report.evidence[first]}. Fix: {MISTAKES[first].fix}"
             )
         return "the audit found: " + "; ".join(report.other)
     return _logged_and_empty_window(answer)
