@@ -41,13 +41,13 @@ if _too_old(_transformers.__version__):
         f"num_items_in_batch), found {_transformers.__version__}: pip install -U 'accumlab[hf]'"
     )
 
-from .audit import TESTED_TRANSFORMERS, audit_trainer, run_windows
-from .capture import CapturedWindow, Microbatch, TrainerCapture
-from .diagnose import diagnose
-from .objectives import TokenLoss
-from .report import TrainerAuditReport
-from .state import preserved_model, preserved_trainer
-from .verdict import CAUSES, TRAINER_MISTAKES
+from .audit import TESTED_TRANSFORMERS, audit_trainer, run_windows  # noqa: E402 (after the version check)
+from .capture import CapturedWindow, Microbatch, TrainerCapture  # noqa: E402 (after the version check)
+from .diagnose import diagnose  # noqa: E402 (after the version check)
+from .objectives import TokenLoss  # noqa: E402 (after the version check)
+from .report import TrainerAuditReport  # noqa: E402 (after the version check)
+from .state import preserved_model, preserved_trainer  # noqa: E402 (after the version check)
+from .verdict import CAUSES, TRAINER_MISTAKES  # noqa: E402 (after the version check)
 
 TRANSFORMERS_VERSION: str = _transformers.__version__
 

@@ -17,8 +17,8 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from ..objectives import Objective
-from .capture import CapturedWindow, TrainerCapture
-from .diagnose import diagnose, tolerances, unwrapped_model
+from .capture import CapturedWindow, TrainerCapture, unwrapped_model
+from .diagnose import diagnose, tolerances
 from .invariance import batch_samples, split_invariance, train_window
 from .report import TrainerAuditReport
 from .state import preserved_trainer

@@ -92,6 +92,13 @@ class CapturedWindow:
     factor: float = 1.0
 
 
+def unwrapped_model(trainer: Any) -> nn.Module:
+    """The Trainer's model without DDP or compile wrappers."""
+    model = trainer.model
+    accelerator = getattr(trainer, "accelerator", None)
+    return accelerator.unwrap_model(model) if accelerator is not None else model
+
+
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """``(name, parameter)`` for every parameter that requires grad, in a fixed order."""
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -247,4 +254,5 @@ __all__ = [
     "held_gradient",
     "unclip_factor",
     "trainable_parameters",
+    "unwrapped_model",
 ]

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from ..objectives import ExampleLoss, Objective
-from .capture import CapturedWindow
-from .fixes import fix_for
+from .capture import CapturedWindow, unwrapped_model
+from .fixes import fix_for, has_code
 from .objectives import Intended, TokenLoss, intended_objective
 from .reference import measure_window, user_intended
 from .report import TrainerAuditReport
@@ -66,18 +66,31 @@ def autocast_context(trainer: Any) -> Any:
     return make if callable(make) else contextlib.nullcontext
 
 
-def unwrapped_model(trainer: Any) -> torch.nn.Module:
-    """The Trainer's model without DDP or compile wrappers."""
-    model = trainer.model
-    accelerator = getattr(trainer, "accelerator", None)
-    return accelerator.unwrap_model(model) if accelerator is not None else model
+def own_loss(trainer: Any, model: torch.nn.Module) -> str | None:
+    """Why the job's loss is not the cross-entropy its model and labels imply, or None: a
+    ``loss_type`` of the Trainer's arguments other than plain negative log-likelihood (TRL's
+    ``dft``), or a model that adds a router balance loss (a mixture of experts with
+    ``output_router_logits``)."""
+    loss_type = getattr(getattr(trainer, "args", None), "loss_type", None)
+    if isinstance(loss_type, str) and loss_type != "nll":
+        return f"the Trainer's loss_type is {loss_type!r}, its own loss"
+    for m in (model, *model.modules()):
+        config = getattr(m, "config", None)
+        coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+        if getattr(config, "output_router_logits", False) and coef > 0:
+            return (f"{type(m).__name__} adds a router balance loss (router_aux_loss_coef {coef:g}) "
+                    "to its cross-entropy")
+    return None
 
 
 def intended_for(trainer: Any, model: torch.nn.Module, batch: Any, objective: Objective | None) -> Intended:
     """The objective the job means: the caller's, or the one its model and labels imply
-    (with the Trainer's label smoothing)."""
+    (with the Trainer's label smoothing); unknown when the loss is the job's own."""
     if objective is not None:
         return user_intended(objective)
+    own = own_loss(trainer, model)
+    if own is not None:
+        return Intended(None, "unknown", own)
     smoothing = float(getattr(getattr(trainer, "args", None), "label_smoothing_factor", 0.0) or 0.0)
     return intended_objective(model, batch, smoothing)
 
@@ -152,7 +165,7 @@ def diagnose(
         scale=worst.scale,
         relative_error=worst.relative_error,
         fix=fix,
-        fix_is_advice=bool(set(mistakes) & {"pad_predicts_target", "attention_crosses_examples"}),
+        fix_is_advice=bool(fix) and not has_code(fix),
         evidence=evidence,
         windows=measures,
         objective=described,
@@ -161,4 +174,4 @@ def diagnose(
     )
 
 
-__all__ = ["FP32_TOLERANCE", "MIXED_TOLERANCE", "diagnose", "tolerances", "unwrapped_model"]
+__all__ = ["FP32_TOLERANCE", "MIXED_TOLERANCE", "diagnose", "own_loss", "tolerances"]

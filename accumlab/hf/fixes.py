@@ -181,26 +181,48 @@ def _objective_loss(kind: str, trainer: Any, model: nn.Module) -> str:
     return "\n".join(parts)
 
 
-def invariance_fix(mistakes: list[str], trainer: Any, model: nn.Module) -> str:
-    """What to change in a loss the audit does not know (comments, no code to paste): the
-    normalization, keeping every term the loss has."""
+_ROUTER = """# The router balance loss is a statistic of each microbatch, added once per microbatch;
+# the Trainer passes num_items_in_batch, so it no longer divides by A: the term weighs
+# A times what it weighs at A = 1. Keep it, with its coefficient divided by A:
+_base = model.get_base_model() if hasattr(model, "get_base_model") else model
+_base.router_aux_loss_coef = _base.config.router_aux_loss_coef / args.gradient_accumulation_steps
+# No fix is known that makes a per-microbatch statistic independent of the split: its
+# value still changes with how the window is cut (the cross-entropy does not).
+"""
+
+
+def invariance_fix(mistakes: list[str], trainer: Any, model: nn.Module, why: str = "") -> str:
+    """What to change in a loss the audit does not know: its normalization, keeping every
+    term the loss has (``why`` is the reason it is not a loss the audit knows). Code where
+    one is known (the count, a router loss's weight), comments where it is not."""
     if not mistakes:
         return ""
     names = set(mistakes)
-    lines = ["# The loss is your Trainer's own (compute_loss): keep every term it has and fix how"]
-    lines.append("# it is normalized over the window, the same at every split:")
-    if "double_division" in names:
-        lines.append("# - it is divided by A once too often: drop the extra / A (the Trainer already")
-        lines.append("#   divides a per-microbatch mean by A, or num_items_in_batch counts the window).")
-    if names & {"num_items_ignored", "depends_on_split"}:
-        lines.append("# - return the SUM of the per-example (or per-token) loss terms divided by the")
-        lines.append("#   window's count, num_items_in_batch (passed to compute_loss), not a mean per")
-        lines.append("#   microbatch; a term that is a statistic of the microbatch (a batch-level KL")
-        lines.append("#   estimate, a router balance loss) has no such form: no fix is known that")
-        lines.append("#   keeps it split-invariant.")
-        if getattr(trainer, "loss_is_scaled_for_ga", "absent") is None:
-            lines.append("# - then set trainer.loss_is_scaled_for_ga = True (it is normalized already).")
-    return "\n".join(lines) + "\n"
+    parts = []
+    if "count_before_shift" in names:
+        parts.append(_MASK_FIRST_LABEL)
+    split = names & {"double_division", "num_items_ignored", "depends_on_split"}
+    if split and "router balance loss" in why:
+        parts.append(_ROUTER)
+    elif split:
+        lines = ["# The loss is the job's own: keep every term it has and fix how it is normalized"]
+        lines.append("# over the window, the same at every split:")
+        if "double_division" in names:
+            lines.append("# - it is divided by A once too often: drop the extra / A (the Trainer already")
+            lines.append("#   divides a per-microbatch mean by A, or num_items_in_batch counts the window).")
+        if names & {"num_items_ignored", "depends_on_split"}:
+            lines.append("# - return the SUM of the per-example (or per-token) loss terms divided by the")
+            lines.append("#   window's count, num_items_in_batch (passed to compute_loss), not a mean per")
+            lines.append("#   microbatch; a term that is a statistic of the microbatch (a batch-level KL")
+            lines.append("#   estimate, a router balance loss) has no such form: no fix is known that")
+            lines.append("#   makes it independent of the split.")
+        parts.append("\n".join(lines) + "\n")
+    return "\n".join(parts)
+
+
+def has_code(fix: str) -> bool:
+    """True when ``fix`` holds a line of Python that is not a comment."""
+    return any(line.strip() and not line.lstrip().startswith("#") for line in fix.splitlines())
 
 
 def fix_for(mistakes: list[str], trainer: Any, model: nn.Module, kind: str, ranks: int = 1) -> str:
@@ -246,17 +268,50 @@ def fix_for(mistakes: list[str], trainer: Any, model: nn.Module, kind: str, rank
     return "\n".join(parts)
 
 
-_PAD_RIGHT = '''# Pad on the right, so that no padding position comes before a real token:
-tokenizer.padding_side = "right"
-# (or keep left padding and set the label of each row's first real token to -100)
+_PAD_RIGHT = '''import torch
+
+# With left padding the pad before each row's first token predicts it: move every row's
+# tokens to its start (padding on the right), the same examples, labels and targets.
+# (Or set tokenizer.padding_side = "right" before the collator pads.)
+_collate_left_padded = trainer.data_collator
+
+def collate_padding_right(features):
+    batch = _collate_left_padded(features)
+    pads = (batch["attention_mask"] == 0).sum(dim=1).tolist()
+    for key in ("input_ids", "attention_mask", "labels"):
+        batch[key] = torch.stack([row.roll(-n) for row, n in zip(batch[key], pads)])
+    batch.pop("position_ids", None)
+    return batch
+
+trainer.data_collator = collate_padding_right
 '''
 
-_NO_CROSSING = '''# Packed examples must not see each other: train padded instead of packed
-# (transformers: DataCollatorWithPadding / DataCollatorForLanguageModeling instead of
-# DataCollatorWithFlattening; TRL: SFTConfig(packing=False, padding_free=False)), or
-# use an attention kernel that reads the example boundaries (position_ids or
-# cu_seq_lens), e.g. attn_implementation="flash_attention_2" on a GPU, and run the
-# audit again.
+_NO_CROSSING = '''import torch
+
+# Packed rows let each example attend to the ones before it in its row: give every
+# example a row of its own (padded on the right), the same examples and targets.
+# (Or keep packing with an attention that reads the example boundaries from
+# position_ids, e.g. attn_implementation="flash_attention_2" on a GPU.)
+_collate_packed = trainer.data_collator
+
+def collate_one_example_per_row(features):
+    packed = _collate_packed(features)
+    rows = []
+    for ids, labels, pos in zip(packed["input_ids"], packed["labels"], packed["position_ids"]):
+        cuts = [0] + [t for t in range(1, len(pos)) if pos[t] != pos[t - 1] + 1] + [len(pos)]
+        rows += [(ids[a:b], labels[a:b]) for a, b in zip(cuts, cuts[1:])
+                 if (labels[a + 1:b] != -100).any()]
+    width = max(len(ids) for ids, _ in rows)
+    batch = {"input_ids": torch.zeros(len(rows), width, dtype=torch.long),
+             "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
+             "labels": torch.full((len(rows), width), -100)}
+    for r, (ids, labels) in enumerate(rows):
+        batch["input_ids"][r, :len(ids)] = ids
+        batch["attention_mask"][r, :len(ids)] = 1
+        batch["labels"][r, :len(ids)] = labels
+    return batch
+
+trainer.data_collator = collate_one_example_per_row
 '''
 
 
@@ -270,4 +325,4 @@ def _collation_fix(names: set[str]) -> str:
     return "\n".join(parts)
 
 
-__all__ = ["fix_for", "invariance_fix"]
+__all__ = ["fix_for", "has_code", "invariance_fix"]

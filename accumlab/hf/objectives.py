@@ -11,7 +11,8 @@ a job whose objective is none of these is checked by split invariance instead
 
 :func:`example_rows` cuts a collated microbatch into its examples, each as its own row:
 no padding (positions whose ``attention_mask`` is 0 are dropped) and no packing (a row
-whose ``position_ids`` restart at 0 holds several examples; each becomes its own row,
+whose ``position_ids`` start again (stop counting up by one) holds several examples; each
+becomes its own row,
 the label that crossed into the next example dropped). The reference gradient is built
 from these rows, so a collator whose padding or packing changes what the model sees or
 what it scores is measured, not copied.
@@ -179,7 +180,8 @@ def _per_token(value: Any, batch_size: int, length: int) -> bool:
 
 def _segments(batch: Mapping[str, Any], b: int) -> list[Tensor]:
     """The positions of each example in row ``b``: its unpadded positions (attention mask
-    1), cut where ``position_ids`` restart at 0."""
+    1), cut where ``position_ids`` start again (any value but the previous one plus 1: a
+    collator may number each example from 0 or, for RoBERTa-like models, from 2)."""
     ids = batch["input_ids"]
     length = ids.shape[1]
     mask = batch.get("attention_mask")
@@ -188,7 +190,8 @@ def _segments(batch: Mapping[str, Any], b: int) -> list[Tensor]:
     pos = batch.get("position_ids")
     if not isinstance(pos, Tensor) or pos.dim() != 2 or positions.numel() == 0:
         return [positions]
-    starts = [i for i, p in enumerate(positions.tolist()) if i == 0 or int(pos[b, p]) == 0]
+    ids = pos[b, positions.to(pos.device)].tolist()
+    starts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1] + 1]
     ends = starts[1:] + [positions.numel()]
     return [positions[s:e] for s, e in zip(starts, ends, strict=True)]
 
@@ -280,9 +283,34 @@ def scored_after_padding(batch: Mapping[str, Any], shift: bool) -> int:
     return int(((mask == 0) & (targets != IGNORE_INDEX)).sum())
 
 
+@torch.no_grad()
+def attention_leak(model: nn.Module, batch: Mapping[str, Any], kind: str, device: torch.device) -> float:
+    """How much an example's logits in its packed row differ from its logits alone: the
+    largest ``|Δ logit|`` over the examples' positions, relative to the largest logit, from
+    forward passes in the model's own dtype without autocast and in eval mode (no dropout;
+    the caller restores the mode). 0 when no row holds several examples. A model whose
+    attention reads the example boundaries gives float rounding (about 1e-6 in float32); one
+    whose attention crosses them gives the difference the neighbours make."""
+    if kind != "causal" or not packed_rows(batch):
+        return 0.0
+    model.eval()
+    keep = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+    packed = logits_of(model(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in keep.items()}))
+    rows = example_rows(batch, kind)
+    places = [(b, where) for b in range(batch["input_ids"].shape[0]) for where in _segments(batch, b) if where.numel()]
+    worst, top = 0.0, 0.0
+    for row, (b, where) in zip(rows, places, strict=True):
+        inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in row.items() if k != "labels"}
+        alone = logits_of(model(**inputs))[0].float()
+        here = packed[b, where.to(packed.device)].float()
+        worst = max(worst, float((here - alone).abs().max()))
+        top = max(top, float(alone.abs().max()))
+    return worst / top if top > 0 else 0.0
+
+
 def packed_rows(batch: Mapping[str, Any]) -> int:
     """Rows of the collated microbatch that hold more than one example (``position_ids``
-    restarting at 0 inside the row)."""
+    starting again inside the row)."""
     ids = batch.get("input_ids")
     if not isinstance(ids, Tensor) or not isinstance(batch.get("position_ids"), Tensor):
         return 0
@@ -307,6 +335,7 @@ __all__ = [
     "intended_objective",
     "is_causal_lm",
     "job_targets",
+    "attention_leak",
     "packed_rows",
     "scored_after_padding",
     "stack_rows",

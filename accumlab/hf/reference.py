@@ -49,12 +49,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..least_squares import Fit, least_squares_products
 from ..objectives import NextTokenLoss, Objective
 from .capture import CapturedWindow, Microbatch, held_gradient
 from .objectives import (
     IGNORE_INDEX,
     Intended,
     TokenLoss,
+    attention_leak,
     example_rows,
     job_targets,
     packed_rows,
@@ -112,15 +114,6 @@ def distance(a: Gradient, fa: float, b: Gradient, fb: float) -> float:
 
 
 @dataclass
-class PatternFit:
-    """``g ≈ constant · u`` for one weighting pattern: the constant and the residual
-    ``‖g − constant·u‖ / ‖g‖``."""
-
-    constant: float
-    residual: float
-
-
-@dataclass
 class WindowMeasure:
     """One window's numbers, the same on every rank.
 
@@ -130,7 +123,11 @@ class WindowMeasure:
     -100 before the shift (``N'``); ``job_targets``: the targets the collated microbatches
     score (more than ``N`` when a padding position predicts a real token, or a target
     crosses from one packed example into the next); ``padding_targets``: those scored at
-    a padding position; ``packed_rows``: rows holding several examples;
+    a padding position; ``packed_rows``: rows holding several examples; ``leak``: how much
+    an example's logits in its packed row differ from its own alone (relative, forward
+    passes without autocast: :func:`~accumlab.hf.objectives.attention_leak`), beyond
+    ``leak_tolerance`` (1e-3 for float32 weights, 3e-2 for half-precision ones) the
+    attention reaches the neighbours;
     ``rank_targets``/``rank_counted``: per rank; ``microbatch_targets``: per microbatch,
     rank by rank; ``microbatches``: on this rank; ``ranks``: D; ``trainer_count``: the
     ``num_items_in_batch`` the Trainer passed on rank 0 (None when it passed none),
@@ -153,10 +150,12 @@ class WindowMeasure:
     rank_spread: float
     rank_trainer_counts: list[float | None] = field(default_factory=list)
     unit: str = "target"
-    fits: dict[str, PatternFit] = field(default_factory=dict)
+    fits: dict[str, Fit] = field(default_factory=dict)
     job_targets: int = 0
     padding_targets: int = 0
     packed_rows: int = 0
+    leak: float = 0.0
+    leak_tolerance: float = 1e-3
     replayed: bool = False
 
 
@@ -282,6 +281,8 @@ def measure_window(
     rank, world = _world()
     replay = any(mb.random for mb in window.microbatches)
     plans = [_plan(mb, intended, replay, model) for mb in window.microbatches]
+    leaks = [attention_leak(model, mb.inputs, intended.kind, device) for mb, p in
+             zip(window.microbatches, plans, strict=True) if p.packed_rows]
     local_n = [p.targets for p in plans]
     per_rank_n = _all_gather_objects(local_n)
     per_rank_pre = _all_gather_objects([p.counted for p in plans])
@@ -290,7 +291,6 @@ def measure_window(
     total = sum(rank_targets)
     if replay:  # the reference scores what the collated microbatches score
         total = sum(_all_gather_objects(sum(p.job_targets for p in plans)))
-    n_r, pre_r = rank_targets[rank], rank_counted[rank]
     g, f = window.gradient, window.factor
 
     model.train()
@@ -321,22 +321,20 @@ def measure_window(
     error = error_norm / ref_norm if ref_norm > 0 else math.nan
 
     g_norm = math.sqrt(gg)
-    fits: dict[str, PatternFit] = {}
+    fits: dict[str, Fit] = {}  # each pattern u fitted to g: least squares from <g,g>, <g,u>, <u,u>
     if ss > 0 and g_norm > 0:
-        c = gs / ss
-        residual = (distance(g, f, s_local, c) if world == 1 else
-                    math.sqrt(max(gg - gs * gs / ss, 0.0))) / g_norm
-        fits["token"] = PatternFit(c, residual)
+        fits["token"] = least_squares_products(gg, [gs], [[ss]])
     if world > 1:
         for name, counts in (("rank", rank_targets), ("rank_pre", rank_counted)):
             w = [1.0 / c if c else 0.0 for c in counts]
             uu = sum(w[a] * w[b] * rank_gram[a][b] for a in range(world) for b in range(world))
             gu = sum(w[a] * gs_ranks[a] for a in range(world))
             if uu > 0 and g_norm > 0:
-                fits[name] = PatternFit(gu / uu, math.sqrt(max(gg - gu * gu / uu, 0.0)) / g_norm)
+                fits[name] = least_squares_products(gg, [gu], [[uu]])
     flat_n = [x for r in per_rank_n for x in r]
     if "token" in fits and len(set(flat_n)) == 1 and flat_n[0]:  # equal counts: the same pattern
-        fits["microbatch"] = PatternFit(fits["token"].constant * flat_n[0], fits["token"].residual)
+        token = fits["token"]
+        fits["microbatch"] = Fit([token.coefficients[0] * flat_n[0]], token.residual)
     elif g_norm > 0 and not error <= 1e-4:  # wrong (or rounded): name its weighting
         fits["microbatch"] = _microbatch_fit(model, plans, objective, device, context, g, f, gg, g_dot_r)
     model.zero_grad(set_to_none=True)
@@ -363,13 +361,15 @@ def measure_window(
         job_targets=sum(_all_gather_objects(sum(p.job_targets for p in plans))),
         padding_targets=sum(_all_gather_objects(sum(p.padding_targets for p in plans))),
         packed_rows=sum(_all_gather_objects(sum(p.packed_rows for p in plans))),
+        leak=max(_all_gather_objects(max(leaks, default=0.0))),
+        leak_tolerance=1e-3 if next(model.parameters()).dtype in (torch.float32, torch.float64) else 3e-2,
         replayed=replay,
     )
 
 
 def _microbatch_fit(model: nn.Module, plans: list[_Plan], objective: Objective, device: torch.device,
                     context: Callable[[], Any], g: Gradient, f: float, gg: float,
-                    g_dot_r: list[float]) -> PatternFit:
+                    g_dot_r: list[float]) -> Fit:
     """The per-microbatch-mean pattern ``Σ_i R_i / n_i`` (over every rank): a second
     backward pass per microbatch accumulates it in ``.grad``."""
     model.zero_grad(set_to_none=True)
@@ -388,8 +388,8 @@ def _microbatch_fit(model: nn.Module, plans: list[_Plan], objective: Objective, 
     gu = float(sum(_all_gather_objects(gu_local)))
     del u_local
     if uu <= 0:
-        return PatternFit(math.nan, 1.0)
-    return PatternFit(gu / uu, math.sqrt(max(gg - gu * gu / uu, 0.0)) / math.sqrt(gg))
+        return Fit([math.nan], 1.0)
+    return least_squares_products(gg, [gu], [[uu]])
 
 
 def _rank_gram(s_local: Gradient, ss_local: float, world: int, rank: int) -> list[list[float]]:
@@ -458,7 +458,6 @@ def user_intended(objective: Objective) -> Intended:
 
 __all__ = [
     "PATTERNS",
-    "PatternFit",
     "WindowMeasure",
     "dot",
     "distance",

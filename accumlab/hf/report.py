@@ -5,12 +5,11 @@ from __future__ import annotations
 import math
 import textwrap
 from dataclasses import dataclass, field
-
 from typing import Any
 
 from .invariance import Invariance
 from .reference import WindowMeasure
-from .verdict import CAUSES
+from .verdict import CAUSES, TRAINER_MISTAKES
 
 #: Said in every report: what the audit does not look at.
 TRAINER_NOT_CHECKED = (
@@ -31,8 +30,8 @@ class TrainerAuditReport:
     behind each. ``scale``: least-squares ``a`` in ``g ≈ a·g_ref`` (1 when right);
     ``relative_error``: ``‖g − g_ref‖ / ‖g_ref‖`` over all trainable parameters (both from the
     window with the largest error). ``fix``: Python to paste (empty when ok);
-    ``fix_is_advice``: the fix says what to change, in comments (a loss or a collator the
-    audit cannot write for you), not code to paste. ``invariance``: the split-invariance
+    ``fix_is_advice``: the fix says what to change in comments only (a loss the audit
+    cannot write for you), no code to paste. ``invariance``: the split-invariance
     results when the objective is not one the audit knows. ``windows``: per-window measurements. ``objective``: the reference objective.
     ``notes``: what this data cannot tell apart from a correct job, and how the run was
     set up. ``not_checked``: what the audit does not look at.
@@ -66,7 +65,7 @@ class TrainerAuditReport:
     def from_invariance(cls, results: list[Invariance], why: str, tolerance: float, trainer: Any,
                         model: Any) -> TrainerAuditReport:
         """The report of a split-invariance check (see :mod:`accumlab.hf.invariance`)."""
-        from .fixes import invariance_fix
+        from .fixes import has_code, invariance_fix
 
         why = why.rstrip(".")
         unable = [r.reason for r in results if r.reason]
@@ -80,14 +79,16 @@ class TrainerAuditReport:
                 if name not in evidence:
                     mistakes.append(name)
                     evidence[name] = r.evidence[name]
+        mistakes = [name for name in TRAINER_MISTAKES if name in evidence]
         splits = [s for r in results for s in r.splits]
         worst = max(splits, key=lambda s: -1.0 if math.isnan(s.relative_error) else s.relative_error)
+        fix = invariance_fix(mistakes, trainer, model, why)
+        notes = [f"split {skip}: not compared" for r in results for skip in (r.skipped or [])]
         return cls(
             ok=not mistakes, checked=True, mistakes=mistakes, scale=worst.factor,
-            relative_error=worst.relative_error, fix=invariance_fix(mistakes, trainer, model),
-            fix_is_advice=bool(mistakes),
+            relative_error=worst.relative_error, fix=fix, fix_is_advice=bool(fix) and not has_code(fix),
             evidence=evidence, objective=f"{why}: checked by split invariance",
-            tolerance=tolerance, invariance=results, not_checked=INVARIANCE_NOT_CHECKED,
+            tolerance=tolerance, invariance=results, not_checked=INVARIANCE_NOT_CHECKED, notes=notes,
         )
 
     def __str__(self) -> str:
@@ -134,7 +135,7 @@ class TrainerAuditReport:
 #: Said in a split-invariance report: what that check does not look at.
 INVARIANCE_NOT_CHECKED = (
     "the objective's definition (a loss wrong the same way at every split passes), splits "
-    "coarser than the configured one, clipping, the optimizer, the schedule and loss scaling; "
+    "other than the ones listed, clipping, the optimizer, the schedule and loss scaling; "
     "windows after the audited ones"
 )
 

@@ -1,9 +1,9 @@
 """From a window's measurements to named causes, with the evidence for each.
 
-The vocabulary extends :data:`accumlab.checks.MISTAKES` (``double_division``,
-``average_of_averages``, ``count_before_shift``, ``ignored_tokens_counted``) with names for what only a framework
-job shows: ``scored_targets_missed``, ``num_items_ignored``, ``per_rank_mean``,
-``no_division``, ``wrong_normalization``, ``not_token_mean`` and ``ranks_disagree``.
+The names are the Trainer audit's rows of the one table both audits share,
+:data:`accumlab.mistakes.MISTAKES` (cause, symptom, fix); the loop audit names some of the
+same mistakes (``double_division``, ``average_of_averages``, ``count_before_shift``,
+``ignored_tokens_counted``).
 
 :func:`name_causes` reads the pattern fits of :class:`~accumlab.hf.reference.WindowMeasure`:
 the pattern whose residual is within ``match`` explains the *structure* of the captured
@@ -17,77 +17,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..checks import MISTAKES as LOOP_MISTAKES
+from ..mistakes import MISTAKES, reported_by
 from .reference import WindowMeasure, same_on_every_rank
 
-#: Every name ``TrainerAuditReport.mistakes`` can hold, in the order they are reported.
-TRAINER_MISTAKES: tuple[str, ...] = (
-    "pad_predicts_target",
-    "attention_crosses_examples",
-    "count_before_shift",
-    "ignored_tokens_counted",
-    "scored_targets_missed",
-    "num_items_ignored",
-    "average_of_averages",
-    "per_rank_mean",
-    "double_division",
-    "no_division",
-    "wrong_normalization",
-    "not_token_mean",
-    "depends_on_split",
-    "ranks_disagree",
-)
-assert {
-    "count_before_shift", "ignored_tokens_counted", "average_of_averages", "double_division"
-} <= set(LOOP_MISTAKES)
+#: Every name ``TrainerAuditReport.mistakes`` can hold, in the order they are reported:
+#: the Trainer audit's names of the shared table :data:`accumlab.mistakes.MISTAKES`.
+TRAINER_MISTAKES: tuple[str, ...] = reported_by("trainer")
 
-#: What each name means, in one sentence a person reads.
-CAUSES: dict[str, str] = {
-    "count_before_shift": (
-        "the loss is divided by a count that includes labels the loss never scores: "
-        "num_items_in_batch counted over the labels before the causal shift, so each row's "
-        "first label (never predicted) is counted"
-    ),
-    "ignored_tokens_counted": (
-        "the loss is divided by a count that includes labels the loss never scores"
-    ),
-    "scored_targets_missed": "the loss is divided by a count that misses targets the loss scores",
-    "num_items_ignored": (
-        "the model accepts num_items_in_batch but ignores it and returns its own mean per "
-        "microbatch, and the Trainer, trusting it, no longer divides by the accumulation "
-        "steps: the gradient is about A times too large and weights targets by their "
-        "microbatch"
-    ),
-    "average_of_averages": (
-        "each microbatch's loss is its own mean, divided by the accumulation steps: a target "
-        "in a short microbatch weighs more than one in a long microbatch"
-    ),
-    "per_rank_mean": (
-        "each data-parallel rank divides by its own target count and the ranks' gradients "
-        "are averaged: a target on a rank with fewer targets weighs more"
-    ),
-    "double_division": "the loss is divided twice: by the window's count and again (by A or by a count)",
-    "no_division": "the loss sums are never divided by the window's count",
-    "wrong_normalization": "every target weighs the same, but the loss is divided by a count the audit cannot name",
-    "not_token_mean": (
-        "the gradient is no weighting of the objective's per-microbatch gradients: the loss "
-        "is not the audited mean (label smoothing, a custom weighting, a different loss)"
-    ),
-    "ranks_disagree": "the data-parallel ranks hold different gradients after the sync",
-    "pad_predicts_target": (
-        "a padding position predicts a real token: with left padding the pad before each "
-        "row's first token is scored against it, a target no example has"
-    ),
-    "attention_crosses_examples": (
-        "several examples share a row (packing, padding-free flattening) and the model's "
-        "attention reaches across them (or a target crosses from one example into the next): "
-        "each example's loss depends on its neighbours"
-    ),
-    "depends_on_split": (
-        "the job's gradient for the same examples changes with how they are split into "
-        "microbatches: the loss is not a sum over examples divided once per window"
-    ),
-}
+#: What each name means, in one sentence a person reads (the shared table's cause).
+CAUSES: dict[str, str] = {name: MISTAKES[name].cause for name in TRAINER_MISTAKES}
 
 
 @dataclass
@@ -120,7 +58,7 @@ def name_causes(m: WindowMeasure, *, ok_tol: float, match: float) -> Finding:
         return _ordered(found)  # each rank measures its own gradient: nothing else is common
     found.update(_collation_facts(m, ok_tol))
     token = m.fits.get("token")
-    if m.relative_error <= ok_tol and (token is None or _nearest(m, token.constant, match) is None):
+    if m.relative_error <= ok_tol and (token is None or _nearest(m, token.coefficients[0], match) is None):
         return _ordered(found)
     if found.keys() - {"ranks_disagree"}:
         return _ordered(found)
@@ -130,13 +68,13 @@ def name_causes(m: WindowMeasure, *, ok_tol: float, match: float) -> Finding:
     namers = {"token": _token, "rank": _rank, "rank_pre": _rank, "microbatch": _microbatch}
     for pattern in ("token", "rank", "rank_pre", "microbatch"):
         if pattern in fits:
-            named = namers[pattern](m, pattern, fits[pattern].constant, match)
+            named = namers[pattern](m, pattern, fits[pattern].coefficients[0], match)
             if named:
                 found.update(named)
                 return _ordered(found)
     if "token" in fits:
         found["wrong_normalization"] = (
-            f"every {m.unit} weighs the same but the divisor is {1.0 / fits['token'].constant:.4g}, "
+            f"every {m.unit} weighs the same but the divisor is {1.0 / fits['token'].coefficients[0]:.4g}, "
             f"not the {m.targets} {m.unit}s"
         )
     else:
@@ -161,11 +99,14 @@ def _collation_facts(m: WindowMeasure, ok_tol: float) -> dict[str, str]:
             f"in its own row, have {m.targets}: {m.padding_targets} are predicted from a padding "
             f"position; measured scale {m.scale:.4f}, relative error {m.relative_error:.2e}"
         )
-    if m.packed_rows and (crossing > 0 or (m.relative_error > ok_tol and not m.replayed)):
+    if m.packed_rows and (crossing > 0 or m.leak > m.leak_tolerance):
         across = f"{crossing} targets cross from one example into the next; " if crossing > 0 else ""
+        leak = (f"an example's logits in its packed row differ from its own alone by up to "
+                f"{m.leak:.1e} (relative); " if m.leak > m.leak_tolerance else "")
         found["attention_crosses_examples"] = (
-            f"{m.packed_rows} rows hold several examples; {across}the gradient is {m.scale:.4f} x "
-            f"the examples' own, each in its own row, relative error {m.relative_error:.2e}"
+            f"{m.packed_rows} rows hold several examples; {across}{leak}the gradient is "
+            f"{m.scale:.4f} x the examples' own, each in its own row, relative error "
+            f"{m.relative_error:.2e}"
         )
     return found
 

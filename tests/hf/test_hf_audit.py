@@ -114,7 +114,7 @@ def test_the_count_fix_changes_the_data_and_works_on_the_trainer_as_built():
 
 @pytest.mark.parametrize(("kind", "func", "causes"), [
     ("plain", hw.correct_loss_func, ["count_before_shift"]),  # count before the shift
-    ("plain", hw.twice_loss_func, ["count_before_shift", "double_division"]),
+    ("plain", hw.twice_loss_func, ["double_division", "count_before_shift"]),
     ("loss_type", hw.twice_loss_func, ["double_division"]),
     ("loss_type", hw.never_loss_func, ["no_division"]),
     ("loss_type", hw.weighted_loss_func, []),  # a weighting of the user's: split-invariant

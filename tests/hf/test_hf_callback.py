@@ -242,11 +242,12 @@ class Regression(torch.nn.Module):
         return {"loss": loss, "logits": prediction}
 
 
-@pytest.mark.parametrize("m", [M, 1])
-def test_a_loss_it_does_not_know_is_checked_by_split_invariance_or_not_checked(tmp_path, m):
-    """A regression (float labels): no objective the audit knows. At m = 2 the run's own
-    window is split finer (a mean per microbatch of equal sizes, divided by A: invariant,
-    ok); at m = 1 it cannot be split finer: a warning says so, never an error or an ok."""
+@pytest.mark.parametrize(("m", "a"), [(M, A), (1, A), (1, 1)])
+def test_a_loss_it_does_not_know_is_checked_by_split_invariance_or_not_checked(tmp_path, m, a):
+    """A regression (float labels): no objective the audit knows. The run's own window is
+    joined into one microbatch, (m·A, 1), and split finer where m >= 2 (a mean per
+    microbatch of equal sizes, divided by A: invariant, ok); a window of one microbatch of
+    one example cannot be split otherwise: a warning says so, never an error or an ok."""
     g = torch.Generator().manual_seed(0)
     rows = [
         {"x": torch.randn(3, generator=g), "labels": torch.randn((), generator=g)}
@@ -256,7 +257,7 @@ def test_a_loss_it_does_not_know_is_checked_by_split_invariance_or_not_checked(t
     args = TrainingArguments(
         output_dir=str(tmp_path),
         per_device_train_batch_size=m,
-        gradient_accumulation_steps=A,
+        gradient_accumulation_steps=a,
         max_steps=1,
         report_to="none",
         save_strategy="no",
@@ -266,16 +267,17 @@ def test_a_loss_it_does_not_know_is_checked_by_split_invariance_or_not_checked(t
     )
     trainer = Trainer(model=Regression(), args=args, train_dataset=rows, callbacks=[callback])
     trainer.remove_callback(PrinterCallback)
-    if m == M:
+    if m * a > 1:
         trainer.train()
         (report,) = callback.reports
         assert report.ok and report.invariance, str(report)
-        assert [(s.micro_batch_size, s.accumulation_steps) for s in report.invariance[0].splits] == [(1, M * A)]
+        expected = [(m * a, 1)] + ([(1, m * a)] if m > 1 else [])
+        assert [(s.micro_batch_size, s.accumulation_steps) for s in report.invariance[0].splits] == expected
         return
     with pytest.warns(AccumulationWarning, match="not checked: the labels are floating point"):
         trainer.train()
     (report,) = callback.reports
-    assert not report.ok and not report.checked and "cannot be split finer" in report.reason
+    assert not report.ok and not report.checked and "cannot be split otherwise" in report.reason
     assert trainer.state.global_step == 1  # the run went on
 
 
