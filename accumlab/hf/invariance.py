@@ -184,12 +184,14 @@ def other_splits(window: CapturedWindow, examples: int | None, pad_id: int = 0) 
 
 def batch_samples(trainer: Any, iterator: Any, count: int, device: Any) -> tuple[list[Any], Any]:
     """``trainer.get_batch_samples`` as this release calls it: with ``device`` since 4.48
-    (and in a subclass that takes it), without it in 4.46-4.47."""
+    (and in a subclass that takes it), without it in 4.46-4.47. Read off the Trainer's
+    class, not the instance: a wrapper set on the instance (the audit's own count fix
+    takes ``*device``) calls the class's method the way the release does."""
     import inspect
 
-    params = inspect.signature(trainer.get_batch_samples).parameters
-    takes_device = "device" in params or len([p for p in params.values() if p.kind in (
-        p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 3
+    params = inspect.signature(type(trainer).get_batch_samples).parameters  # with self
+    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    takes_device = "device" in [p.name for p in positional] or len(positional) >= 4
     if takes_device:
         return trainer.get_batch_samples(iterator, count, device)
     return trainer.get_batch_samples(iterator, count)
