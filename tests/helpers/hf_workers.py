@@ -287,10 +287,11 @@ def ddp_cases() -> list[dict[str, Any]]:
 VERSION_CASES = ("plain", "loss_type", "kwargs", "nokw", "correct_func")
 
 
-def version_cases() -> None:
-    """Print, as one JSON line, each of :data:`VERSION_CASES` under the transformers this
-    interpreter imports: the audit's verdict and scale, the independent scale (one real
-    update against the token mean of the 8 examples) and whether the fix makes it ok."""
+def version_cases(cases: tuple[str, ...] = VERSION_CASES) -> None:
+    """Print, as one JSON line, each of ``cases`` (names from :data:`VERSION_CASES`) under
+    the transformers this interpreter imports: the audit's verdict and scale, the
+    independent scale (one real update against the token mean of the 8 examples) and
+    whether the fix makes it ok."""
     import copy
     import json
 
@@ -301,7 +302,7 @@ def version_cases() -> None:
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
     out: dict[str, Any] = {"version": transformers.__version__}
-    for case in VERSION_CASES:
+    for case in cases:
         kind = "plain" if case == "correct_func" else case
         extra = {"compute_loss_func": correct_loss_func} if case == "correct_func" else {}
         g = applied_gradient(model_for(kind), **extra)
@@ -318,4 +319,6 @@ def version_cases() -> None:
 
 
 if __name__ == "__main__":
-    version_cases()
+    import sys
+
+    version_cases(tuple(sys.argv[1:]) or VERSION_CASES)
