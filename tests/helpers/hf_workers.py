@@ -314,6 +314,7 @@ def version_cases(cases: tuple[str, ...] = VERSION_CASES) -> None:
         out[case] = {
             "ok": report.ok, "mistakes": report.mistakes, "scale": report.scale,
             "independent_scale": least_squares_scale(g, ref), "fixed_ok": fixed.ok,
+            "text": str(report),
         }
     print(json.dumps(out))
 
