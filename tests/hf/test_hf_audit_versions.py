@@ -89,6 +89,7 @@ def test_verdict_scale_and_fix_under_each_release(measured):
         assert not result["ok"], (release, case)
         assert result["scale"] == pytest.approx(result["independent_scale"], abs=1e-3), (release, case)
         assert result["fixed_ok"], (release, case)
+        assert result["fixed_error"] < 1e-5, (release, case)  # the fixed job's real update
         text = " ".join(result["text"].split())
         if mistakes == ["num_items_ignored"] and "Trainer's count none" in text:
             # 4.46.3 never passed the count: the report must not say the model ignored one
