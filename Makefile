@@ -118,21 +118,26 @@ restore:
 check: $(VENV)/.installed-core
 	@$(TIMED) "smoke check" $(BIN)/accumlab env --check
 
-# A 2025 transformers beside the newest, for tests/hf/test_hf_audit_versions.py (the Trainer
-# counted num_items_in_batch differently then): installed into its own folder, never into
-# the environment; only that test puts it on PYTHONPATH, in a subprocess.
-HF_OLD := 4.57.6
-HF_OLD_DIR := $(VENV)/hf-transformers-$(HF_OLD)
-$(HF_OLD_DIR)/.installed: | $(VENV)/.installed-dev
-	@echo "installing transformers $(HF_OLD) into $(HF_OLD_DIR) for the transformers-version test ..."
-	$(PIP) --no-deps --target $(HF_OLD_DIR) "transformers==$(HF_OLD)" \
-	  "huggingface_hub>=0.34,<1.0" "tokenizers>=0.22,<=0.23.0"
+# Older transformers releases beside the newest, for tests/hf/test_hf_audit_versions.py
+# (each Trainer counted num_items_in_batch its own way): 4.46.3 (the first with the count),
+# 4.50.3 and 4.57.6, each installed into its own folder with --no-deps and the
+# huggingface_hub / tokenizers range that release declares (datasets 4.0.0: the Trainer
+# imports datasets, and the environment's needs huggingface_hub 1.x), never into the
+# environment; only the tests put a folder on PYTHONPATH, in a subprocess.
+HF_OLD := 4.46.3 4.50.3 4.57.6
+HF_PINS_4.46.3 := "huggingface_hub>=0.23.2,<1.0" "tokenizers>=0.20,<0.21"
+HF_PINS_4.50.3 := "huggingface_hub>=0.26.0,<1.0" "tokenizers>=0.21,<0.22"
+HF_PINS_4.57.6 := "huggingface_hub>=0.34,<1.0" "tokenizers>=0.22,<=0.23.0"
+HF_OLD_INSTALLED := $(foreach v,$(HF_OLD),$(VENV)/hf-transformers-$(v)/.installed)
+$(VENV)/hf-transformers-%/.installed: | $(VENV)/.installed-dev
+	@echo "installing transformers $* into $(@D) for the transformers-version test ..."
+	$(PIP) --no-deps --target $(@D) "transformers==$*" $(HF_PINS_$*) "datasets==4.0.0"
 	@touch $@
 
 lint: $(VENV)/.installed-dev
 	@$(TIMED) lint $(BIN)/ruff check .
 
-unit: $(VENV)/.installed-dev $(HF_OLD_DIR)/.installed
+unit: $(VENV)/.installed-dev $(HF_OLD_INSTALLED)
 	@$(TIMED) "unit tests" env $(TEST_ENV) $(BIN)/python -m pytest -q tests
 
 nbval: $(VENV)/.installed-dev

@@ -90,8 +90,8 @@ MISTAKES: dict[str, Mistake] = {
         "collator applies, over the whole window and every rank",
     ),
     "num_items_ignored": _trainer(
-        "the model (or a compute_loss override) accepts num_items_in_batch but ignores it "
-        "and returns its own mean per microbatch, and the Trainer, having passed it, no "
+        "each microbatch's loss is its own mean, because the model (or a compute_loss "
+        "override) ignores num_items_in_batch or is never given it, and the Trainer no "
         "longer divides by the accumulation steps",
         "updates about A times too large that weight each target by its microbatch: the "
         "result depends on how the examples are split",

@@ -23,24 +23,23 @@ from .invariance import batch_samples, split_invariance, train_window
 from .report import TrainerAuditReport
 from .state import preserved_trainer
 
-#: The transformers releases the audit is tested with: 4.46.3 (the first with
+#: The transformers releases the tests run the audit under, exactly: 4.46.3 (the first with
 #: num_items_in_batch), 4.50.3 and 4.57.6 (tests/hf/test_hf_audit_versions.py, each in a
-#: folder of its own) and 5.24.0 as installed. Outside it, reports carry a note.
-TESTED_TRANSFORMERS = ">=4.46.3,<=5.24.0"
+#: folder of its own, in a subprocess) and 5.24.0 (the environment's, every other test).
+#: Under any other release, reports carry a note.
+TESTED_TRANSFORMERS: tuple[str, ...] = ("4.46.3", "4.50.3", "4.57.6", "5.24.0")
 
 
 def _version_note() -> str | None:
-    """A note when the imported transformers lies outside :data:`TESTED_TRANSFORMERS`."""
+    """A note when the imported transformers is not one of :data:`TESTED_TRANSFORMERS`."""
     import transformers
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
 
-    version = Version(transformers.__version__)
-    if Version(version.base_version) in SpecifierSet(TESTED_TRANSFORMERS):
+    if transformers.__version__ in TESTED_TRANSFORMERS:
         return None
     return (
-        f"transformers {transformers.__version__} is outside the tested range "
-        f"{TESTED_TRANSFORMERS}: the verdict is measured, but the fix may not apply as written"
+        f"transformers {transformers.__version__} is not a release the audit is tested with "
+        f"({', '.join(TESTED_TRANSFORMERS)}): the verdict is measured, but the fix may not "
+        "apply as written"
     )
 
 

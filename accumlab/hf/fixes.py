@@ -73,7 +73,7 @@ trainer.compute_loss_func = example_mean_loss
 
 _OWN_COUNT = '''import types
 
-# This release passes compute_loss_func no count for a model without **kwargs:
+# This release passes compute_loss_func no count for this model:
 # count the window's targets here (after the shift for a causal LM).
 _get_batch_samples = trainer.get_batch_samples
 

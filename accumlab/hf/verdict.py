@@ -192,9 +192,13 @@ def _microbatch(m: WindowMeasure, pattern: str, constant: float, match: float) -
     if _near(c, 1.0 / (a * d), match):
         return {"average_of_averages": f"each microbatch's mean over its own {m.unit}s ({sizes}), divided by A = {a}"}
     if _near(c, 1.0, match) or _near(c, 1.0 / d, match):
+        never = (  # transformers 4.46 for a forward without **loss_kwargs
+            "; the Trainer passed no num_items_in_batch and still did not divide by A"
+            if m.trainer_count is None else ""
+        )
         return {"num_items_ignored": (
             f"each microbatch's mean over its own {m.unit}s ({sizes}), summed over A = {a} "
-            f"microbatches: {m.scale:.3g} times the correct gradient"
+            f"microbatches: {m.scale:.3g} times the correct gradient{never}"
         )}
     if any(_near(c * n, x, match) for x in (1.0, float(d), 1.0 / d)):
         return {"double_division": f"each microbatch's mean ({sizes}) divided again by the window's {n} {m.unit}s"}

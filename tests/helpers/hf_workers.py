@@ -174,14 +174,17 @@ def flat(tensors: Any) -> Tensor:
     return torch.cat([t.detach().double().reshape(-1) for t in tensors])
 
 
+#: one update whose ``w0 - w1`` is the applied gradient (SGD at lr 1, nothing else)
+SGD_STEP: dict[str, Any] = dict(optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
+                                weight_decay=0.0, max_grad_norm=0.0, max_steps=1)
+
+
 def applied_gradient(model: nn.Module, args_overrides: dict[str, Any] | None = None,
                      trainer_class: Any = None, **trainer_kw: Any) -> Tensor:
     """The gradient one real ``trainer.train()`` update applies, read off the weights:
     SGD at learning rate 1, constant schedule, no clipping, no weight decay, so
     ``w0 - w1`` is that gradient."""
-    settings: dict[str, Any] = dict(optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
-                                    weight_decay=0.0, max_grad_norm=0.0, max_steps=1)
-    settings.update(args_overrides or {})
+    settings = {**SGD_STEP, **(args_overrides or {})}
     trainer = make_trainer(model, make_args(**settings), trainer_class, **trainer_kw)
     params = [p for p in model.parameters() if p.requires_grad]
     before = flat(params)
@@ -287,10 +290,11 @@ def ddp_cases() -> list[dict[str, Any]]:
 VERSION_CASES = ("plain", "loss_type", "kwargs", "nokw", "correct_func")
 
 
-def version_cases() -> None:
-    """Print, as one JSON line, each of :data:`VERSION_CASES` under the transformers this
-    interpreter imports: the audit's verdict and scale, the independent scale (one real
-    update against the token mean of the 8 examples) and whether the fix makes it ok."""
+def version_cases(cases: tuple[str, ...] = VERSION_CASES) -> None:
+    """Print, as one JSON line, each of ``cases`` (names from :data:`VERSION_CASES`) under
+    the transformers this interpreter imports: the audit's verdict and scale, the
+    independent scale (one real update against the token mean of the 8 examples), whether
+    the audit calls the fixed job ok and the fixed job's real update's relative error."""
     import copy
     import json
 
@@ -301,21 +305,28 @@ def version_cases() -> None:
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
     out: dict[str, Any] = {"version": transformers.__version__}
-    for case in VERSION_CASES:
+    for case in cases:
         kind = "plain" if case == "correct_func" else case
         extra = {"compute_loss_func": correct_loss_func} if case == "correct_func" else {}
         g = applied_gradient(model_for(kind), **extra)
         ref = reference_gradient(copy.deepcopy(model_for(kind)), [collate(examples())])
         model = model_for(kind)
-        trainer = make_trainer(model, **extra)
+        trainer = make_trainer(model, make_args(**SGD_STEP), **extra)
         report = ah.audit_trainer(trainer)
         fixed = ah.audit_trainer(apply_fix(report, model, trainer, **extra)) if report.fix else report
+        params = [p for p in model.parameters() if p.requires_grad]
+        before = flat(params)
+        trainer.train()  # the fixed job's real update
+        g_fixed = before - flat(params)
         out[case] = {
             "ok": report.ok, "mistakes": report.mistakes, "scale": report.scale,
             "independent_scale": least_squares_scale(g, ref), "fixed_ok": fixed.ok,
+            "fixed_error": float((g_fixed - ref).norm() / ref.norm()), "text": str(report),
         }
     print(json.dumps(out))
 
 
 if __name__ == "__main__":
-    version_cases()
+    import sys
+
+    version_cases(tuple(sys.argv[1:]) or VERSION_CASES)

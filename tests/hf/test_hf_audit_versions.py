@@ -1,12 +1,20 @@
-"""accumlab.hf.audit_trainer under a 2025 transformers release beside the installed one.
+"""accumlab.hf.audit_trainer under older transformers releases beside the installed one.
 
-transformers 4.57 counts ``num_items_in_batch`` over every label that is not -100 (before
-the causal shift) whatever the model; 5.x counts after the shift when it recognises the
-model's loss as a causal-LM loss (``model.loss_type``). The audit must measure both right
-and its fixes must work on both. ``make unit`` (and so ``make test``) installs
-transformers 4.57.6 into its own folder, ``$(VENV)/hf-transformers-4.57.6`` (never into
-the virtual environment), and this test runs ``tests/helpers/hf_workers.py`` in a subprocess with
-that folder first on ``PYTHONPATH``.
+Each release counts ``num_items_in_batch`` its own way, and the audit must measure each
+right and its fixes must work on each:
+
+* 4.46.3 (the first with ``num_items_in_batch``) passes a count only to a model whose
+  forward takes ``**loss_kwargs`` (GPT-2's does not), and then no longer divides by the
+  accumulation steps even when it passed none: every GPT-2 job sums A microbatch means.
+* 4.50.3 and 4.57.6 pass the count to any forward with ``**kwargs`` and count every label
+  that is not -100, before the causal shift, whatever the model.
+* 5.x (the environment's, tested everywhere else) counts after the shift when it
+  recognises the model's loss as a causal-LM loss (``model.loss_type``).
+
+``make unit`` (and so ``make test``) installs each release into its own folder,
+``$(VENV)/hf-transformers-<release>`` (never into the virtual environment); this test runs
+``tests/helpers/hf_workers.py`` once per release in a subprocess with that folder first on
+``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -20,41 +28,80 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parents[1]  # on PYTHONPATH: the subprocess imports helpers.*
-OLD = "4.57.6"
-FOLDER = Path(os.environ.get("ACCUMLAB_HF_OLD", Path(sys.prefix) / f"hf-transformers-{OLD}"))
 
-#: case -> the causes the audit names under transformers 4.57
-EXPECTED_457 = {
-    "plain": ["count_before_shift"],
-    "loss_type": ["count_before_shift"],  # 4.57 ignores loss_type when it counts
-    "kwargs": ["num_items_ignored"],
-    "nokw": ["average_of_averages"],
-    "correct_func": ["count_before_shift"],
+#: release -> case -> the causes the audit names (measured on each release; the scale is
+#: checked against an independent one below, so a name here cannot hide a wrong number)
+EXPECTED = {
+    "4.46.3": {
+        "plain": ["num_items_ignored"],  # no **loss_kwargs: no count, and no division by A
+        "loss_type": ["num_items_ignored"],
+        "kwargs": ["num_items_ignored"],  # **kwargs is not **loss_kwargs on this release
+        "nokw": ["num_items_ignored"],
+        # correct_func is left out: 4.46 passes compute_loss_func num_items_in_batch=None for
+        # GPT-2 (no **loss_kwargs), so "sum / num_items_in_batch" is no valid job there.
+    },
+    "4.50.3": {
+        "plain": ["count_before_shift"],
+        "loss_type": ["count_before_shift"],  # loss_type is not read when it counts
+        "kwargs": ["num_items_ignored"],
+        "nokw": ["average_of_averages"],
+        "correct_func": ["count_before_shift"],
+    },
+    "4.57.6": {
+        "plain": ["count_before_shift"],
+        "loss_type": ["count_before_shift"],  # 4.57 ignores loss_type when it counts
+        "kwargs": ["num_items_ignored"],
+        "nokw": ["average_of_averages"],
+        "correct_func": ["count_before_shift"],
+    },
 }
 
+#: 47 shifted targets where the Trainer divides by 55 labels (tests/helpers/hf_workers.py)
+BEFORE_SHIFT = 47 / 55
 
-@pytest.fixture(scope="module")
-def old_release():
-    if not (FOLDER / "transformers").is_dir():
-        pytest.skip(f"transformers {OLD} is not installed in {FOLDER}: run make unit (it installs it)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(FOLDER), str(TESTS)]),
+
+def folder(release: str) -> Path:
+    return Path(os.environ.get("ACCUMLAB_HF_DIR", sys.prefix)) / f"hf-transformers-{release}"
+
+
+@pytest.fixture(scope="module", params=sorted(EXPECTED))
+def measured(request):
+    """One subprocess per release: every case's verdict, scale, independent scale, fix."""
+    release = request.param
+    where = folder(release)
+    if not (where / "transformers").is_dir():
+        pytest.skip(f"transformers {release} is not installed in {where}: run make unit (it installs it)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(where), str(TESTS)]),
                TQDM_DISABLE="1", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "helpers.hf_workers"], env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "helpers.hf_workers", *EXPECTED[release]], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return release, json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_the_subprocess_runs_the_old_release(old_release):
-    assert old_release["version"] == OLD
+def test_verdict_scale_and_fix_under_each_release(measured):
+    release, out = measured
+    assert out["version"] == release
+    assert set(out) - {"version"} == set(EXPECTED[release])
+    for case, mistakes in EXPECTED[release].items():
+        result = out[case]
+        assert result["mistakes"] == mistakes, (release, case, result)
+        assert not result["ok"], (release, case)
+        assert result["scale"] == pytest.approx(result["independent_scale"], abs=1e-3), (release, case)
+        assert result["fixed_ok"], (release, case)
+        assert result["fixed_error"] < 1e-5, (release, case)  # the fixed job's real update
+        text = " ".join(result["text"].split())
+        if mistakes == ["num_items_ignored"] and "Trainer's count none" in text:
+            # 4.46.3 never passed the count: the report must not say the model ignored one
+            assert "the Trainer passed no num_items_in_batch" in text, (release, case, text)
+            assert "having passed it" not in text, (release, case, text)
+        if mistakes == ["count_before_shift"]:
+            assert result["scale"] == pytest.approx(BEFORE_SHIFT, abs=1e-6), (release, case)
 
 
-@pytest.mark.parametrize("case", sorted(EXPECTED_457))
-def test_verdict_scale_and_fix_under_transformers_4_57(old_release, case):
-    result = old_release[case]
-    assert result["mistakes"] == EXPECTED_457[case]
-    assert not result["ok"]
-    assert result["scale"] == pytest.approx(result["independent_scale"], abs=1e-3)
-    assert result["fixed_ok"]
-    if case in ("plain", "loss_type", "correct_func"):
-        assert result["scale"] == pytest.approx(47 / 55, abs=1e-6)
+def test_the_tested_releases_are_these_and_the_environments():
+    import transformers
+
+    import accumlab.hf as ah
+
+    assert set(ah.TESTED_TRANSFORMERS) == set(EXPECTED) | {transformers.__version__}

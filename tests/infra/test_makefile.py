@@ -6,6 +6,7 @@ index reaches pip's command line, not that a download works.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -186,3 +187,25 @@ def test_ci_installs_the_torch_on_disk_and_runs_make_test():
     assert '"torch==2.13.0"' in install and "index-url" not in install
     assert re.search(r"^make test\b", script, re.MULTILINE)
     assert "TORCH_INDEX" not in script  # never PyTorch's index (a CUDA or remote download)
+
+
+def test_unit_installs_every_transformers_release_the_version_test_runs(tmp_path):
+    """Each release of tests/hf/test_hf_audit_versions.py goes into its own folder, with
+    --no-deps and the huggingface_hub / tokenizers range that release's own metadata
+    declares (datasets 4.0.0, the last that runs on huggingface_hub below 1.0)."""
+    spec = importlib.util.spec_from_file_location("versions", ROOT / "tests/hf/test_hf_audit_versions.py")
+    versions = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(versions)
+    declared = {  # Requires-Dist of each wheel
+        "4.46.3": '"huggingface_hub>=0.23.2,<1.0" "tokenizers>=0.20,<0.21"',
+        "4.50.3": '"huggingface_hub>=0.26.0,<1.0" "tokenizers>=0.21,<0.22"',
+        "4.57.6": '"huggingface_hub>=0.34,<1.0" "tokenizers>=0.22,<=0.23.0"',
+    }
+    assert set(versions.EXPECTED) == set(declared)
+    lines = [line for line in pip_lines(dry_run(tmp_path, "unit")) if "transformers==" in line]
+    assert len(lines) == len(declared)
+    for release, pins in declared.items():
+        (line,) = [x for x in lines if f'"transformers=={release}"' in x]
+        target = tmp_path / "venv" / f"hf-transformers-{release}"
+        assert f"--no-deps --target {target} " in line
+        assert line.endswith(f'"transformers=={release}" {pins} "datasets==4.0.0"')
