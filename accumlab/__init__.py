@@ -1,22 +1,18 @@
 """accumlab: gradient accumulation in PyTorch, exact and counted.
 
-The core rule: every microbatch backpropagates ``loss_sum × D / count(window, all
-replicas)`` and the optimizer steps once per window.
+The rule every microbatch follows, and the loop that keeps it, are in :mod:`accumlab.loop`;
+docs/ARCHITECTURE.md maps the package.
 """
-
-from ._startup import guard_command_start
-
-# First: in the `accumlab` command, Ctrl-C while torch imports is one line, exit 130.
-guard_command_start()
 
 from ._torch_version import check_torch_version
 
 # Before the submodules: on an older torch they would fail on a missing API instead.
 check_torch_version()
 
-from . import distributed
+from . import distributed, parallel
 from .checkpoint import (
     CheckpointDirectoryInUseError,
+    CheckpointFormatError,
     CorruptCheckpointError,
     ResumeMismatchError,
 )
@@ -32,7 +28,7 @@ from .checks import (
 from .chunked_loss import ChunkedNextTokenLoss
 from .distributed import ExampleIdCheck, check_example_ids, launch
 from .driver import train
-from .ledger import Ledger, RunRecord, scaler_settings
+from .ledger import Ledger
 from .loop import accumulate, train_window
 from .loop_audit.report import AuditReport
 from .loop_audit.run import audit
@@ -40,7 +36,14 @@ from .memory import MemoryMeter
 from .objectives import ExampleLoss, NextTokenLoss, Objective
 from .oom import CannotShrinkError
 from .plan import AccumulationPlan, Window, data_parallel_size
-from .precision import PRECISIONS, PrecisionPolicy, precision_policy, resolve_scaler
+from .precision import (
+    PRECISIONS,
+    PrecisionPolicy,
+    precision_policy,
+    resolve_scaler,
+    scaler_settings,
+)
+from .record import RunRecord
 from .report import UpdateReport
 
 __version__ = "0.1.0"
@@ -50,6 +53,7 @@ __all__ = [
     "AuditReport",
     "CannotShrinkError",
     "CheckpointDirectoryInUseError",
+    "CheckpointFormatError",
     "ChunkedNextTokenLoss",
     "CorruptCheckpointError",
     "ExampleIdCheck",
@@ -76,6 +80,7 @@ __all__ = [
     "gradients_finite",
     "inject_nonfinite",
     "launch",
+    "parallel",
     "precision_policy",
     "resolve_scaler",
     "scaler_settings",

@@ -7,8 +7,8 @@ states ``[m, T, H]`` and the model's output layer instead, and works through the
 tokens a chunk at a time: for each chunk it computes the chunk's logits, its loss and, in
 the same pass, the chunk's gradient with respect to the hidden states and the head's
 weight and bias. Only those gradients (hidden-sized and head-sized) are kept for the
-backward pass, which multiplies them by the loss's incoming gradient (the loop's
-``× D / global count`` and the GradScaler's scale). So neither the forward nor the
+backward pass, which multiplies them by the loss's incoming gradient (the loop's factor,
+the rule of ``accumlab.loop``, and the GradScaler's scale). So neither the forward nor the
 backward ever holds more than one chunk of logits (in float32, and under autocast
 briefly also in half precision).
 
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .objectives import NextTokenLoss
+from .validate import check_positive_int
 
 #: Bytes of one chunk's float32 logits when ``chunk_size`` is not given, per device type:
 #: 8 MiB on a CPU (65 tokens at V = 32,000, 16 at V = 128,256), where a small chunk costs
@@ -110,9 +111,16 @@ def _chunked_pass(
         for start in range(0, rows.numel(), chunk_size):
             index = rows[start : start + chunk_size]
             total += _one_chunk(
-                hidden, w, b, index, targets[start : start + chunk_size], wide,
-                grad_h, grad_w, grad_b,
-            )  # fmt: skip
+                hidden,
+                w,
+                b,
+                index,
+                targets[start : start + chunk_size],
+                wide,
+                grad_h,
+                grad_w,
+                grad_b,
+            )
     return total, grad_h, grad_w, grad_b
 
 
@@ -257,15 +265,8 @@ class ChunkedNextTokenLoss:
                 f"model.lm_head), got {type(head).__name__}; the chunked loss computes "
                 "hidden_states @ head.weight.T + head.bias itself, so it needs a linear map"
             )
-        if chunk_size is not None and (
-            isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-        ):
-            raise TypeError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError(
-                f"chunk_size must be a positive number of tokens or None (a default from the "
-                f"vocabulary size), got {chunk_size}"
-            )
+        by_vocabulary = "default_chunk_size(vocabulary size, device)"
+        check_positive_int("chunk_size", chunk_size, none_means=by_vocabulary)
         self.head = head
         self.chunk_size = chunk_size
         self._tokens = NextTokenLoss(ignore_index)  # the counting, shared with NextTokenLoss

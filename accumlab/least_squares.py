@@ -3,7 +3,10 @@
 The loop audit writes each update's gradient as a combination of per-example
 contributions (many columns); the Trainer audit fits one weighting pattern at a time
 (one column) and the measured scale (the reference as the column). Both read the same
-two numbers: the coefficients and the relative residual.
+two numbers: the coefficients and the relative residual. A whole model's gradient is
+held as one tensor per parameter and is too large to stack: :func:`least_squares_products`
+is the same fit from the inner products alone (the normal equations), which the caller
+accumulates parameter by parameter.
 
 A leaf of the layers: it imports torch only.
 """
@@ -57,12 +60,44 @@ def least_squares(target: Tensor, columns: Sequence[Tensor]) -> Fit:
         return Fit([], 1.0)
     if len(columns) == 1:
         (column,) = columns
-        squared = float(column.dot(column))
-        x = float(target.dot(column)) / squared if squared > 0 else 0.0
+        (x,) = least_squares_products(norm * norm, [float(target.dot(column))],
+                                      [[float(column.dot(column))]]).coefficients
         return Fit([x], float((target - x * column).norm()) / norm)
     matrix = torch.stack(columns, dim=1)
     x = torch.linalg.lstsq(matrix, target[:, None], driver="gelsd").solution[:, 0]
     return Fit(x.tolist(), float((matrix @ x - target).norm()) / norm)
 
 
-__all__ = ["Fit", "least_squares"]
+def least_squares_products(
+    target_norm2: float, target_dots: Sequence[float], gram: Sequence[Sequence[float]]
+) -> Fit:
+    """The fit of :func:`least_squares` from inner products: ``target_norm2`` is
+    ``<target, target>``, ``target_dots[j]`` is ``<target, column_j>``, ``gram[i][j]`` is
+    ``<column_i, column_j>`` (floats, accumulated in float64 by the caller).
+
+    Solves the normal equations ``gram · x = target_dots`` (the smallest solution when the
+    columns are dependent; a zero column gets coefficient 0); the residual is
+    ``sqrt(max(<t, t> − x · target_dots, 0)) / ‖t‖``, which loses digits below about 1e-7
+    relative (the difference of two nearly equal squares): enough to tell which pattern
+    explains a gradient, not to measure a float32 rounding error (form that difference
+    entry by entry).
+    """
+    k = len(target_dots)
+    if len(gram) != k or any(len(row) != k for row in gram):
+        raise ValueError(f"gram must be {k} x {k} (one row and column per column), got {gram!r}")
+    if not target_norm2 > 0:
+        return Fit([0.0] * k, 0.0)
+    if k == 0:
+        return Fit([], 1.0)
+    if k == 1:
+        squared = float(gram[0][0])
+        x = [float(target_dots[0]) / squared if squared > 0 else 0.0]
+    else:
+        matrix = torch.tensor(gram, dtype=torch.float64)
+        rhs = torch.tensor(target_dots, dtype=torch.float64)[:, None]
+        x = torch.linalg.lstsq(matrix, rhs, driver="gelsd").solution[:, 0].tolist()
+    explained = sum(a * b for a, b in zip(x, target_dots, strict=True))
+    return Fit(x, (max(target_norm2 - explained, 0.0) / target_norm2) ** 0.5)
+
+
+__all__ = ["Fit", "least_squares", "least_squares_products"]

@@ -1,11 +1,19 @@
 """The reference accumulation loop: one window, one update attempt.
 
-The rule, in one line: every microbatch backpropagates
-``loss_sum(microbatch) × D / count(window, all replicas)`` and the optimizer steps once
-per window. ``accumulate`` does the backward passes; ``train_window`` adds the window
-boundary (unscale, check, clip, step, update the scale, clear, schedule). ``train`` is
-the driver above it (``accumlab.driver``). This module imports only the core: copy it
-with ``objectives``, ``precision``, ``report`` and ``parallel``.
+The rule, in one line (its home, with docs/ARCHITECTURE.md; other modules point here):
+every microbatch backpropagates ``loss_sum(microbatch) × D / count(window, all replicas)``
+and the optimizer steps once per window. ``loss_sum`` is the sum of the microbatch's
+per-unit losses (tokens for ``NextTokenLoss``, examples for ``ExampleLoss``);
+``count(window, all replicas)`` is the window's units summed over the ``D``
+data-parallel replicas, counted on the CPU before any forward pass; the ``× D`` cancels
+the average DDP and FSDP2 take over the replicas. The gradient is then the full batch's,
+whatever the split into microbatches and replicas, and every unit weighs the same. AMP,
+DDP, OOM shrinking and short last windows all keep this rule.
+
+``accumulate`` does the backward passes; ``train_window`` adds the window boundary
+(unscale, check, clip, step, update the scale, clear, schedule). ``train`` is the driver
+above it (``accumlab.driver``). This module imports only the core: copy it with
+``objectives``, ``precision``, ``report``, ``parallel`` and ``validate``.
 """
 
 from __future__ import annotations
@@ -38,9 +46,16 @@ from .precision import (
     update_parameters,
 )
 from .report import UpdateReport
+from .validate import check_choice, check_positive_number
 
 Forward = Callable[[nn.Module, Mapping[str, Tensor]], Any]
 NOT_MODEL_INPUTS = frozenset({"labels", "example_ids"})
+#: The modes of one window: a non-finite gradient is skipped or raises; the scheduler
+#: steps per applied update or per attempt; gradients sync once per window or after
+#: every backward pass.
+NONFINITE = ("skip", "raise")
+SCHEDULER_PER = ("applied", "attempt")
+SYNC = ("window", "microbatch")
 
 
 def default_forward(model: nn.Module, batch: Mapping[str, Tensor]) -> Any:
@@ -94,17 +109,16 @@ def accumulate(
 ) -> Accumulated:
     """Backpropagate one window into ``.grad`` (added to what is there; clear it first).
 
-    Each microbatch backpropagates ``loss_sum × D / global_count``, where ``global_count``
-    is the window's unit count summed over the ``D`` replicas, counted on CPU before any
-    forward pass. ``sync="window"`` syncs a DDP/FSDP2 model on the last microbatch only:
+    Each microbatch follows the rule above; its denominator, ``global_count``, is the
+    window's unit count summed over the ``D`` replicas, counted on CPU before any forward
+    pass. ``sync="window"`` syncs a DDP/FSDP2 model on the last microbatch only:
     least traffic, but FSDP2 holds full unsharded gradients all window; ``"microbatch"``
     syncs every backward, so FSDP2 keeps only its shard (pick it when full gradients do
     not fit; under DDP it only adds traffic). With a scaler each loss is multiplied by the
     window's one scale. No graph, output or loss tensor outlives its microbatch. A window
     whose global count is zero runs no forward.
     """
-    if sync not in ("window", "microbatch"):
-        raise ValueError(f"sync must be 'window' or 'microbatch', got {sync!r}")
+    check_choice("sync", sync, SYNC)
     microbatches = list(window)
     if not microbatches:
         raise ValueError("window is empty: it needs at least one microbatch")
@@ -179,11 +193,17 @@ def train_window(
     scaler = _window_scaler(precision_policy(precision, model_device(model)), scaler)
     _clear_gradients(optimizer, orphans)  # clear
     try:
-        # backward per microbatch, each loss_sum × D / global count
+        # accumulate: one backward per microbatch, by the rule above
         acc = accumulate(
-            model, window, objective, forward=forward, precision=precision, scaler=scaler,
-            meter=meter, sync=sync,
-        )  # fmt: skip
+            model,
+            window,
+            objective,
+            forward=forward,
+            precision=precision,
+            scaler=scaler,
+            meter=meter,
+            sync=sync,
+        )
         report = _new_report(index, window, acc, optimizer, scaler)
         if acc.global_count > 0:
             with _phase(meter, "update"):
@@ -225,16 +245,25 @@ class PartialUpdateError(torch.OutOfMemoryError):
     the last checkpoint."""
 
 
+def check_clip_grad_norm(clip_grad_norm: object) -> float | None:
+    """``clip_grad_norm`` as a float (the largest L2 norm of the combined, unscaled
+    gradient), or ``None`` (no clipping); ``train`` and ``train_window`` check it here."""
+    return check_positive_number(
+        "clip_grad_norm",
+        clip_grad_norm,
+        meaning="the largest L2 norm of the combined gradient",
+        none_means="no clipping",
+    )
+
+
 def _check_window(
     model: nn.Module, clip_grad_norm: float | None, nonfinite: str, scheduler_per: str
 ) -> None:
-    """Check ``train_window``'s arguments (the optimizer: ``update_parameters``)."""
-    if clip_grad_norm is not None and not clip_grad_norm > 0:
-        raise ValueError(f"clip_grad_norm must be positive or None, got {clip_grad_norm!r}")
-    if nonfinite not in ("skip", "raise"):
-        raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
-    if scheduler_per not in ("applied", "attempt"):
-        raise ValueError(f"scheduler_per must be 'applied' or 'attempt', got {scheduler_per!r}")
+    """Check ``train_window``'s arguments (the optimizer: ``update_parameters``; ``sync``
+    and ``precision``: ``accumulate``)."""
+    check_clip_grad_norm(clip_grad_norm)
+    check_choice("nonfinite", nonfinite, NONFINITE)
+    check_choice("scheduler_per", scheduler_per, SCHEDULER_PER)
     check_replicas(model)  # a plain model in a multi-rank group is an error
 
 

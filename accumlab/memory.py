@@ -19,7 +19,8 @@ for backward, deduplicated by storage. With ``budget_bytes`` the meter raises
 budget, so out-of-memory handling (``train(..., on_oom="shrink")``) is real code that runs
 and is tested on a CPU.
 
-All sizes are in bytes.
+All sizes are in bytes. What the meter measured, phase by phase and window by window, is
+held by :mod:`accumlab.memory_records`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -36,12 +36,10 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = [
-    "MemoryMeter",
-    "PhaseRecord",
-    "WindowRecord",
-    "format_bytes",
-]
+from .memory_records import PhaseRecord, WindowRecord
+from .validate import check_bool, check_positive_int
+
+__all__ = ["MemoryMeter", "format_bytes"]
 
 def format_bytes(n: int | float) -> str:
     """``n`` bytes in binary units with 1 decimal, e.g. ``format_bytes(1536) == '1.5 KiB'``."""
@@ -51,78 +49,6 @@ def format_bytes(n: int | float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
-
-
-@dataclass
-class PhaseRecord:
-    """One phase of a window, in bytes on the meter's device.
-
-    ``start_bytes``/``end_bytes`` are the live bytes at entry and exit; ``peak_bytes`` the
-    highest live bytes while it ran. ``kept_bytes`` (CPU only, ``None`` on CUDA) counts bytes
-    allocated during the phase and still live at its end: activations and output for a
-    forward pass, new gradients for the first backward pass, optimizer state for the first
-    update. ``saved_bytes`` (forward passes only) counts the bytes autograd saved for the
-    backward pass, storages of trainable parameters excluded, each storage once.
-    ``failed`` is True when an exception (an out-of-memory error) ended the phase.
-    """
-
-    window: int
-    name: str
-    microbatch: int | None
-    start_bytes: int
-    end_bytes: int
-    peak_bytes: int
-    kept_bytes: int | None = None
-    saved_bytes: int | None = None
-    failed: bool = False
-
-    @property
-    def net_bytes(self) -> int:
-        """``end_bytes - start_bytes``: what the phase left behind (negative when it freed)."""
-        return self.end_bytes - self.start_bytes
-
-
-@dataclass
-class WindowRecord:
-    """The phases of one window (one update attempt) as the meter saw them.
-
-    ``baseline_bytes`` is what was live before the first microbatch: the weights, the
-    optimizer state once it exists, anything else still referenced (a leak shows up here,
-    growing window after window). ``complete`` is True once an ``"update"`` phase finished
-    without an exception; a window cut short by an out-of-memory error stays incomplete.
-    """
-
-    index: int
-    baseline_bytes: int
-    phases: list[PhaseRecord] = field(default_factory=list)
-    complete: bool = False
-
-    @property
-    def peak_bytes(self) -> int:
-        """The highest live bytes in any phase of the window (the baseline if none ran)."""
-        return max([self.baseline_bytes, *(p.peak_bytes for p in self.phases)])
-
-    @property
-    def saved_bytes(self) -> list[int]:
-        """Bytes saved for backward by each forward pass of the window, in order."""
-        return [p.saved_bytes or 0 for p in self.phases if p.name == "forward"]
-
-    def phase(self, name: str, microbatch: int | None = None) -> PhaseRecord:
-        """The first record of phase ``name`` (and ``microbatch``, when given)."""
-        for p in self.phases:
-            if p.name == name and (microbatch is None or p.microbatch == microbatch):
-                return p
-        raise KeyError(f"window {self.index} has no phase {name!r} (microbatch {microbatch})")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "baseline_bytes": self.baseline_bytes,
-            "peak_bytes": self.peak_bytes,
-            "complete": self.complete,
-            "saved_bytes": self.saved_bytes,
-            "phases": [asdict(p) for p in self.phases],
-        }
 
 
 def _device_of(device: torch.device | str | int) -> torch.device:
@@ -225,16 +151,8 @@ class MemoryMeter:
         record_history: bool = False,
     ) -> None:
         self.device = _device_of(device)
-        if budget_bytes is not None and (
-            isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
-        ):
-            raise TypeError(
-                f"budget_bytes must be an int number of bytes or None, got {budget_bytes!r}"
-            )
-        if budget_bytes is not None and budget_bytes < 1:
-            raise ValueError(f"budget_bytes must be positive (bytes) or None, got {budget_bytes}")
-        self.budget_bytes = budget_bytes
-        self.track_saved = bool(track_saved)
+        self.budget_bytes = check_positive_int("budget_bytes", budget_bytes, none_means="no budget")
+        self.track_saved = check_bool("track_saved", track_saved)
         self._cuda = self.device.type == "cuda"
         self._counts_storages = not self._cuda
         self._lock = threading.RLock()
@@ -249,7 +167,7 @@ class MemoryMeter:
         self._depth = 0
         self._mode: _Tracker | None = None
         self._self_ref = weakref.ref(self)
-        if record_history:
+        if check_bool("record_history", record_history):
             if not self._cuda:
                 raise ValueError(
                     "record_history=True needs a CUDA device: allocator snapshots exist only "

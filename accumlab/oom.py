@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,8 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .distributed.alignment import is_padding
 from .ledger import Ledger
-from .loop import PartialUpdateError, model_device
-from .objectives import rows, take_rows
+from .loop import PartialUpdateError, model_device, train_window
+from .objectives import Objective, rows, take_rows
 from .parallel import replicas_of, unwrap
 from .report import UpdateReport
 
@@ -60,18 +60,21 @@ class PeerOutOfMemory(torch.OutOfMemoryError):
 
 
 def train_window_shrinking(
-    attempt: Callable[[list[Any], Any], UpdateReport],
-    microbatches: Sequence[Mapping[str, Any]],
     model: nn.Module,
+    window: Sequence[Mapping[str, Any]],
     optimizer: torch.optim.Optimizer,
-    meter: Any,
+    objective: Objective,
     ledger: Ledger,
-    halvings: int,
-) -> tuple[UpdateReport, int]:
-    """One window under ``on_oom="shrink"``: returns its report and the halvings in force.
+    *,
+    meter: Any = None,
+    **options: Any,
+) -> UpdateReport:
+    """``train_window`` under ``on_oom="shrink"``: the window's report. ``options`` are
+    ``train_window``'s other keyword arguments; the window's index is
+    ``ledger.update_attempts``.
 
-    The window's microbatches are first cut in half ``halvings`` times (what earlier
-    windows learned). When an attempt raises ``torch.OutOfMemoryError``, the partial
+    The window's microbatches are first cut in half once for every shrink in
+    ``ledger.shrinks`` (what earlier windows learned). When an attempt raises ``torch.OutOfMemoryError``, the partial
     gradients are discarded, what the attempt held is released, every microbatch is cut
     in half again and the *same* window is retried: the same examples, the same global
     count (denominator), so the same gradient and one update as before. Each shrink is
@@ -84,15 +87,23 @@ def train_window_shrinking(
     inside DDP's gradient-synchronizing backward pass, or under FSDP2).
     """
     keep_empty = replicas_of(model) > 1
-    pieces = list(microbatches)
-    for _ in range(halvings):
+    pieces = list(window)
+    for _ in ledger.shrinks:
         pieces = [half for mb in pieces for half in _halve(mb, keep_empty)]
     while True:
         guard = OOMGuard(meter, model, len(pieces))
         biggest = max(rows(p) for p in pieces)
         problem = "this replica ran out of memory"
         try:
-            report = attempt(pieces, guard)
+            report = train_window(
+                model,
+                pieces,
+                optimizer,
+                objective,
+                meter=guard,
+                index=ledger.update_attempts,
+                **options,
+            )
         except PeerOutOfMemory as peer:
             fatal = peer.fatal
             problem = "another data-parallel replica ran out of memory"
@@ -127,7 +138,7 @@ def train_window_shrinking(
             oom, _ = guard.agree(False, False)
             if not oom:
                 report.padding_microbatches = sum(is_padding(p) for p in pieces)
-                return report, halvings
+                return report
             # A peer failed after this replica's last agreement point, so this replica has
             # already stepped: retrying would apply the window twice here.
             fatal = True
@@ -140,7 +151,6 @@ def train_window_shrinking(
                 "(one example per microbatch, or the update itself); see that rank's error"
             )
         pieces = [half for mb in pieces for half in _halve(mb, keep_empty)]
-        halvings += 1
         ledger.shrinks.append(
             {
                 "update": ledger.update_attempts,

@@ -1,9 +1,9 @@
 """The data-parallel helper of the core: D, the global count, one sync per window.
 
-DDP averages gradients over its ``D`` replicas. The loop wants the gradient of
-``sum of all replicas' losses / all replicas' units``, so each replica backpropagates
-``loss_sum × D / global_count``: DDP's average (÷ D) cancels the ``× D``. FSDP2
-(``fully_shard``) averages in its reduce-scatter the same way. Every collective here
+DDP averages gradients over its ``D`` replicas, and FSDP2 (``fully_shard``) averages in
+its reduce-scatter the same way: the ``× D`` of the loop's rule (``accumlab.loop``)
+cancels that average, so the update is the gradient of all replicas' losses over all
+replicas' units. Every collective here
 runs on the model's data-parallel group, never on ranks that share the same data
 (tensor- or pipeline-parallel peers). Without a process group every function is a no-op.
 """
@@ -19,6 +19,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+__all__ = [
+    "any_rank",
+    "check_replicas",
+    "data_parallel_group",
+    "global_count",
+    "gradient_sync",
+    "is_distributed",
+    "local_device",
+    "replicas_of",
+    "unwrap",
+]
 
 def is_distributed() -> bool:
     """True inside an initialised process group with more than one rank."""

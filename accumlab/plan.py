@@ -12,17 +12,11 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from .validate import check_choice, check_positive_int
+
 LastWindow = Literal["update", "drop"]
-_LAST_WINDOW_POLICIES = ("update", "drop")
-
-
-def check_positive_int(name: str, value: object) -> int:
-    """``value`` if it is an int of at least 1; ``TypeError``/``ValueError`` naming ``name`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
-    return value
+#: What happens to a short last window: an update from it, or it is dropped and counted.
+LAST_WINDOW = ("update", "drop")
 
 
 @dataclass(frozen=True)
@@ -67,10 +61,7 @@ class AccumulationPlan:
         check_positive_int("micro_batch_size", self.micro_batch_size)
         check_positive_int("accumulation_steps", self.accumulation_steps)
         check_positive_int("data_parallel_size", self.data_parallel_size)
-        if self.last_window not in _LAST_WINDOW_POLICIES:
-            raise ValueError(
-                f"last_window must be one of {_LAST_WINDOW_POLICIES}, got {self.last_window!r}"
-            )
+        check_choice("last_window", self.last_window, LAST_WINDOW)
 
     @property
     def effective_batch_size(self) -> int:

@@ -21,10 +21,12 @@ import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+
+from .validate import check_choice, check_instance
 
 Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
@@ -35,11 +37,10 @@ _DTYPES: dict[str, torch.dtype | None] = {
 }
 # Names other libraries use for the same policies; only used to suggest the right name.
 _ALIASES = {
-    "float32": "fp32", "float": "fp32", "32": "fp32", "full": "fp32",
-    "bfloat16": "bf16", "bf16-mixed": "bf16", "bf16_mixed": "bf16",
-    "float16": "fp16", "half": "fp16", "16": "fp16", "16-mixed": "fp16", "fp16-mixed": "fp16",
-    "amp": "fp16", "mixed": "fp16",
-}  # fmt: skip
+    **dict.fromkeys(("float32", "float", "32", "full"), "fp32"),
+    **dict.fromkeys(("bfloat16", "bf16-mixed", "bf16_mixed"), "bf16"),
+    **dict.fromkeys(("float16", "half", "16", "16-mixed", "fp16-mixed", "amp", "mixed"), "fp16"),
+}
 
 
 @dataclass(frozen=True)
@@ -71,22 +72,18 @@ class PrecisionPolicy:
                 yield
 
 
-def precision_policy(precision: str, device: torch.device | str) -> PrecisionPolicy:
-    """Validate ``precision`` and tie it to the device type of ``device``.
+def check_precision(precision: object) -> str:
+    """``precision`` if it is ``"fp32"``, ``"bf16"`` or ``"fp16"``: ``TypeError`` for a
+    value that is not a string, ``ValueError`` for another name (suggesting the course's
+    name for a common alias such as ``"float16"``)."""
+    return check_choice("precision", precision, PRECISIONS, aliases=_ALIASES)
 
-    Raises ``TypeError`` when ``precision`` is not a string and ``ValueError`` for an
-    unknown name (suggesting the course's name for a common alias such as ``"float16"``)
-    or for a device type on which this PyTorch build has no autocast.
-    """
-    if not isinstance(precision, str):
-        raise TypeError(
-            f"precision must be a string, one of {list(PRECISIONS)}, got "
-            f"{type(precision).__name__} {precision!r}"
-        )
-    if precision not in _DTYPES:
-        alias = _ALIASES.get(precision.strip().lower())
-        hint = f"; did you mean precision={alias!r}?" if alias else ""
-        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}{hint}")
+
+def precision_policy(precision: str, device: torch.device | str) -> PrecisionPolicy:
+    """Validate ``precision`` (:func:`check_precision`) and tie it to the device type of
+    ``device``: ``ValueError`` for a device type on which this PyTorch build has no
+    autocast."""
+    check_precision(precision)
     device_type = torch.device(device).type
     if _DTYPES[precision] is not None and not torch.amp.is_autocast_available(device_type):
         raise ValueError(
@@ -118,10 +115,7 @@ def resolve_scaler(
         if policy.needs_scaler:
             return torch.amp.GradScaler(policy.device_type)
         return None
-    if not isinstance(scaler, torch.amp.GradScaler):
-        raise TypeError(
-            f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}"
-        )
+    check_instance("scaler", scaler, torch.amp.GradScaler, "a torch.amp.GradScaler", none_ok=True)
     scaler_device = getattr(scaler, "_device", policy.device_type)
     if torch.device(scaler_device).type != policy.device_type:
         raise ValueError(
@@ -141,6 +135,31 @@ def resolve_scaler(
             )
         return None
     return scaler
+
+
+def scaler_settings(scaler: torch.amp.GradScaler | None) -> dict[str, Any] | None:
+    """A GradScaler's configuration and current scale as plain data, for the run record.
+
+    Returns ``None`` for no scaler, ``{"enabled": False}`` for a disabled one, else
+    ``enabled``, ``device``, ``init_scale``, ``scale`` (now), ``growth_factor``,
+    ``backoff_factor`` and ``growth_interval`` (in applied updates). Raises ``TypeError``
+    for anything else.
+    """
+    if scaler is None:
+        return None
+    check_instance("scaler", scaler, torch.amp.GradScaler, "a torch.amp.GradScaler", none_ok=True)
+    if not scaler.is_enabled():
+        return {"enabled": False}
+    init_scale = getattr(scaler, "_init_scale", None)  # no public getter in torch.amp
+    return {
+        "enabled": True,
+        "device": str(getattr(scaler, "_device", "")),
+        "init_scale": None if init_scale is None else float(init_scale),
+        "scale": float(scaler.get_scale()),
+        "growth_factor": float(scaler.get_growth_factor()),
+        "backoff_factor": float(scaler.get_backoff_factor()),
+        "growth_interval": int(scaler.get_growth_interval()),
+    }
 
 
 # Optimizers already warned about holding only some of the model's trainable parameters.

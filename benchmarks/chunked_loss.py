@@ -255,9 +255,11 @@ def payoff(vocab: int, seq: int, batch: int, budget: int, windows: int, repeats:
         print("   the materialized loss does not fit one sequence under this budget")
         failures.append("payoff: no m fits the materialized loss")
         return
-    runs = [("materialized", "materialized", found["materialized"]),
-            ("chunked, same m", "chunked", found["materialized"]),
-            ("chunked", "chunked", found["chunked"])]  # fmt: skip
+    runs = [
+        ("materialized", "materialized", found["materialized"]),
+        ("chunked, same m", "chunked", found["materialized"]),
+        ("chunked", "chunked", found["chunked"]),
+    ]
     times: dict[str, list[float]] = {label: [] for label, _, _ in runs}
     weights: dict[str, list[Tensor]] = {}
     for rep in range(repeats):  # the order alternates: a busy moment hits every plan

@@ -43,6 +43,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 import accumlab as al
 from accumlab.course import data, workers
 from accumlab.distributed import launch, shard
+from accumlab.loop import SYNC
 
 TOLERANCE = 1e-6
 
@@ -134,9 +135,15 @@ def run_mode(sync: str, steps: int, windows: int, n_embd: int, n_layer: int) -> 
     calls = [0]
     with counting_reduce_scatters(calls):
         ledger = al.train(
-            model, batches, optimizer, plan, al.NextTokenLoss(), sync=sync, meter=probe,
+            model,
+            batches,
+            optimizer,
+            plan,
+            al.NextTokenLoss(),
+            sync=sync,
+            meter=probe,
             progress=False,
-        )  # fmt: skip
+        )
     non_final = [b for i, b in probe.records if i < steps - 1]
     return {
         "rank": rank,
@@ -155,7 +162,7 @@ def run_mode(sync: str, steps: int, windows: int, n_embd: int, n_layer: int) -> 
 def worker(steps: int, windows: int, n_embd: int, n_layer: int) -> dict[str, Any]:
     """Both modes in the same two processes, one after the other, from the same seed."""
     out = {
-        sync: run_mode(sync, steps, windows, n_embd, n_layer) for sync in ("window", "microbatch")
+        sync: run_mode(sync, steps, windows, n_embd, n_layer) for sync in SYNC
     }
     a, b = out["window"].pop("weights"), out["microbatch"].pop("weights")
     out["max_weight_difference"] = max(
@@ -188,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'sync':12s} {'rank':>4s} {'held mid-window (MiB)':>22s} "
         f"{'held after last (MiB)':>22s} {'reduce-scatters/window':>23s}"
     )
-    for sync in ("window", "microbatch"):
+    for sync in SYNC:
         for r in ranks:
             s = r[sync]
             print(
@@ -208,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{ranks[0]['max_gradient']:.2e}), final weights {diff:.2e} (tolerance {TOLERANCE:g})"
     )
     applied = all(
-        r[s]["applied"] == r[s]["windows"] for r in ranks for s in ("window", "microbatch")
+        r[s]["applied"] == r[s]["windows"] for r in ranks for s in SYNC
     )
     if not max(diff, grad_diff) <= TOLERANCE or calls != args.steps or not applied:
         print(

@@ -22,6 +22,15 @@ Target: ``audited`` at most 3x ``plain`` (the audit adds one forward and backwar
 over the window's examples for the reference, a copy of the gradient and a comparison,
 so about 2x is expected); ``after`` 1.00 within noise.
 
+Then, in the same run, ``audit_trainer`` on Llamas built from configs (fp32, three sizes,
+each in a child process of its own so that its peak resident memory is its own): one
+real update (``trainer.train()``, ``max_steps=1``, SGD) is made first and its high-water
+mark read (``ru_maxrss``); then ``audit_trainer`` runs on a fresh Trainer of the same
+model. Printed per size: trainable parameters, the audit's peak resident memory above the
+update's high-water mark in bytes per trainable parameter (target: at most one fp32 copy,
+4, plus one microbatch's activations), and the audit's wall time over one update's
+(target: at most 3x).
+
     python benchmarks/hf_audit_cost.py            # 6 updates x 5 repeats, 1 thread
     python benchmarks/hf_audit_cost.py --quick    # 2 updates x 2 repeats: smoke run
 """
@@ -29,8 +38,12 @@ so about 2x is expected); ``after`` 1.00 within noise.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -201,5 +214,78 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+#: (layers, width) of the three Llamas (vocabulary 2048, 4 heads, MLP 4 x width)
+LLAMAS = ((2, 128), (4, 256), (6, 384))
+
+
+def llama_child(layers: int, width: int, m: int, a: int) -> dict[str, float]:
+    """One size in this process: a real update's high-water mark and time, then the
+    audit's (see the module docstring)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import accumlab.hf as ah
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    config = LlamaConfig(vocab_size=2048, hidden_size=width, intermediate_size=4 * width,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=256, attention_dropout=0.0)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(3, 2048, (int(n),), generator=g).tolist()}
+            for n in torch.randint(48, 96, (m * a,), generator=g)]
+
+    def collate(features):
+        width_ = max(len(f["input_ids"]) for f in features)
+        ids = torch.zeros(len(features), width_, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, f in enumerate(features):
+            ids[i, : len(f["input_ids"])] = torch.tensor(f["input_ids"])
+            mask[i, : len(f["input_ids"])] = 1
+        labels = ids.masked_fill(mask == 0, -100)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with tempfile.TemporaryDirectory() as out:
+        def trainer():
+            targs = TrainingArguments(out, per_device_train_batch_size=m, gradient_accumulation_steps=a,
+                                      max_steps=1, optim="sgd", learning_rate=1e-3, report_to=[],
+                                      save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                                      use_cpu=True, seed=0)
+            return Trainer(model=model, args=targs, train_dataset=rows, data_collator=collate)
+
+        trainer().train()  # warm-up: allocator and kernels
+        t = trainer()
+        start = time.perf_counter()
+        t.train()
+        update = time.perf_counter() - start
+        high = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        t = trainer()
+        start = time.perf_counter()
+        report = ah.audit_trainer(t)
+        audit = time.perf_counter() - start
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"params": params, "extra_bytes": peak - high, "update_s": update, "audit_s": audit,
+            "checked": report.checked}
+
+
+def llama_table(m: int, a: int) -> None:
+    print(f"\naudit_trainer on Llamas from configs (fp32, m={m}, A={a}, 1 thread; a child process per size)")
+    print(f"{'layers x width':>14} | {'trainable':>10} | {'extra bytes/param':>17} | {'audit / update (wall)':>21}")
+    for layers, width in LLAMAS:
+        done = subprocess.run([sys.executable, __file__, "--llama-child", f"{layers},{width},{m},{a}"],
+                              capture_output=True, text=True, check=True)
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"{f'{layers} x {width}':>14} | {r['params']:>10} | {r['extra_bytes'] / r['params']:17.1f} | "
+              f"{r['audit_s'] / r['update_s']:21.2f}")
+    print("targets: extra <= 4 bytes/param (one fp32 copy) + one microbatch's activations; time <= 3x")
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    if len(sys.argv) == 3 and sys.argv[1] == "--llama-child":
+        print(json.dumps(llama_child(*map(int, sys.argv[2].split(",")))))
+        raise SystemExit(0)
+    code = main()
+    llama_table(2, 4)
+    raise SystemExit(code)

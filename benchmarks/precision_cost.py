@@ -31,8 +31,7 @@ import torch
 import accumlab as al
 from accumlab.course.data import VOCAB_SIZE, load_examples, microbatches
 from accumlab.course.models import TinyGPT
-
-PRECISIONS = ("fp32", "bf16", "fp16")
+from accumlab.precision import PRECISIONS
 
 
 def _sync(device: torch.device) -> None:

@@ -71,7 +71,14 @@ LOOP_PAGE = "reference/loop.md"
 INSTALL_CELL_ID = "accumlab-install"  # tools/install_cell.py's CELL_ID
 DOWNLOADS_DIR = "_notebooks"  # the notebooks as committed, offered for download
 EXERCISES_PAGE = "exercises.md"
-DOC_PAGES = {"docs/ARCHITECTURE.md": "docs/architecture.md", "docs/WORKSHOP.md": "docs/workshop.md"}
+DOC_PAGES = {
+    "docs/INSTALL.md": "docs/install.md",
+    "docs/CLI.md": "docs/cli.md",
+    "docs/RESUME.md": "docs/resume.md",
+    "docs/AUDIT.md": "docs/audit.md",
+    "docs/ARCHITECTURE.md": "docs/architecture.md",
+    "docs/WORKSHOP.md": "docs/workshop.md",
+}
 _MD_LINK = re.compile(r"(!?\[[^\]]*\])\(([^)\s]+)\)")
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 

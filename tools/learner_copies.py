@@ -20,25 +20,38 @@ had run and saved them: the outputs they hold are the course's own, and JupyterL
 untrusted notebook's saved widgets and rich outputs only after a re-run. That needs
 ``nbformat`` (``make lab`` runs this with the course's environment); without it the copies
 are made all the same and the line printed says they are not marked. Otherwise standard
-library only: it runs before anything else is installed.
+library only (accumlab's atomic writer, itself standard library only, is loaded by its
+path): it runs before anything else is installed.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import importlib.util
 import itertools
 import os
 import shutil
 import stat
 import sys
-import tempfile
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_atomic_write() -> types.ModuleType:
+    """``accumlab/atomic_write.py`` of this checkout, loaded by its path: importing the
+    package would import torch, which the system's Python may not have."""
+    spec = importlib.util.spec_from_file_location("_atomic_write", ROOT / "accumlab" / "atomic_write.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+atomic_write = _load_atomic_write()
 COURSE = "notebooks"
 COPIES = "my-notebooks"
 BACKUPS = "backups"
@@ -137,18 +150,12 @@ def _back_up(copy: Path, root: Path, stamp: str) -> tuple[Path, float] | None:
 
 
 def _fresh_copy(source: Path, copy: Path) -> None:
-    """Put a copy of ``source`` at ``copy`` in one rename, so that a concurrent reader
-    (another restore backing it up) sees the old file or the new one, never a mix."""
-    fd, tmp = tempfile.mkstemp(dir=copy.parent, prefix=f".{copy.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out, open(source, "rb") as lesson:
-            shutil.copyfileobj(lesson, out)
-        shutil.copystat(source, tmp)
-        os.replace(tmp, copy)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """Put a copy of ``source`` (its bytes, mode and times) at ``copy`` in one rename, so
+    that a concurrent reader (another restore backing it up) sees the old file or the new
+    one, never a mix: accumlab's one atomic writer (``accumlab/atomic_write.py``)."""
+    with open(source, "rb") as lesson:
+        atomic_write.write_atomically(copy, lambda out: shutil.copyfileobj(lesson, out))
+    shutil.copystat(source, copy)
 
 
 def restore(names: list[str], root: Path = ROOT, now: float | None = None,

@@ -4,7 +4,7 @@ clipping, seed), the scheduler (its own hyper-parameters and the learning rates 
 over the updates already trained) and the data (a digest of each window).
 
 A difference is a :class:`ResumeMismatchError` naming it, with the checkpoint's value and
-the given one. What no comparison can see is listed in the README's "Resume" section.
+the given one. What no comparison can see is listed in docs/RESUME.md.
 """
 
 from __future__ import annotations
@@ -15,12 +15,15 @@ import math
 import types
 import warnings
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..plan import AccumulationPlan
+
+if TYPE_CHECKING:
+    from ..settings import TrainSettings
 
 _FIX = "Pass the values of the run that wrote it, or start a new run in another checkpoint_dir"
 
@@ -72,16 +75,27 @@ def _parameter_names(model: nn.Module | None) -> dict[int, str]:
     return {} if model is None else {id(p): name for name, p in model.named_parameters()}
 
 
+#: What of ``train``'s settings a resume must find unchanged, besides the plan, the model
+#: and the precision (compared apart): the rest (``sync``, ``on_oom``, ``progress``, ...)
+#: does not change what an update computes.
+RESUMED_SETTINGS = ("clip_grad_norm", "scheduler_per", "nonfinite")
+
+
 def run_settings(
-    optimizer: torch.optim.Optimizer, scheduler: Any, *, model: nn.Module | None = None, **options: Any
+    optimizer: torch.optim.Optimizer,
+    settings: TrainSettings | None = None,
+    *,
+    model: nn.Module | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint fixes besides the plan, model and precision, as plain data, read
     when ``train`` starts (before anything is loaded): the optimizer's class, its
     parameter groups' sizes, each parameter's shape in order (``param_shapes``) and, where
     ``model`` names it, its name (``param_names``, ``None`` for a tensor the model does not
     hold), the groups' hyper-parameters (everything but ``params``), the scheduler's class,
-    the seed of torch's generator (``torch.initial_seed()``) and ``options`` (clipping, ...)."""
+    the seed of torch's generator (``torch.initial_seed()``) and the
+    :data:`RESUMED_SETTINGS` of ``settings`` (none without settings)."""
     names = _parameter_names(model)
+    scheduler = None if settings is None else settings.scheduler
     return {
         "optimizer": _class_name(optimizer),
         "param_group_sizes": [len(g["params"]) for g in optimizer.param_groups],
@@ -92,11 +106,14 @@ def run_settings(
         ],
         "scheduler": None if scheduler is None else _class_name(scheduler),
         "seed": torch.initial_seed(),
-        **options,
+        **({} if settings is None else {k: getattr(settings, k) for k in RESUMED_SETTINGS}),
     }
 
 
 _GROUP_DETAILS = ("hyperparameters", "param_group_sizes", "param_shapes", "param_names")
+#: Optimizer switches that choose how the update is computed (a loop over the parameters,
+#: one kernel over all of them), not what it is: a resume does not compare them.
+IMPLEMENTATION_SWITCHES = frozenset({"foreach", "fused"})
 
 
 def started_with(hyperparameters: Mapping[str, Any], moved: bool = True) -> dict[str, Any]:
@@ -107,8 +124,9 @@ def started_with(hyperparameters: Mapping[str, Any], moved: bool = True) -> dict
     momentum-cycling scheduler (``OneCycleLR``, ``CyclicLR``: ``max_momentum`` in the
     group) ``momentum`` and the first of ``betas`` are its to move; its ``base_momentum``
     and ``max_momentum`` stay compared. Unmoved, the values are compared as they are
-    (and the scheduler's replay compares the learning rates it gives)."""
-    started = dict(hyperparameters)
+    (and the scheduler's replay compares the learning rates it gives). The
+    :data:`IMPLEMENTATION_SWITCHES` (``foreach``, ``fused``) are left out either way."""
+    started = {k: v for k, v in hyperparameters.items() if k not in IMPLEMENTATION_SWITCHES}
     if not moved:
         return started
     if "initial_lr" in started:
@@ -123,10 +141,7 @@ def started_with(hyperparameters: Mapping[str, Any], moved: bool = True) -> dict
 def _order_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """The parameters whose shape or name differs at the same place of the same group
     (an optimizer over the same parameters in another order), the first three named.
-    The group sizes are equal here. A checkpoint written before shapes and names were
-    stored (accumlab 0.1.0 before this check) has none to compare."""
-    if "param_shapes" not in saved:
-        return []
+    The group sizes are equal here."""
     found = []
     for i, group in enumerate(saved["param_shapes"]):
         for j, shape_then in enumerate(group):
@@ -217,12 +232,8 @@ def _plain_deep(value: Any) -> Any:
 
 def recorded_lrs(state: Mapping[str, Any]) -> list[list[float]]:
     """The learning rate of every parameter group at each update attempt the checkpoint's
-    run made (the ``lr`` each ``optimizer.step`` used): ``data_history["lrs"]``, or, for a
-    checkpoint written before it was kept, the first group's from the ledger's reports."""
-    lrs = state.get("data_history", {}).get("lrs")
-    if lrs is not None:
-        return [[float(v) for v in row] for row in lrs.tolist()]
-    return [[float(r["lr"])] for r in state["ledger"]["reports"] if r.get("lr") is not None]
+    run made (the ``lr`` each ``optimizer.step`` used): ``data_history["lrs"]``."""
+    return [[float(v) for v in row] for row in state["data_history"]["lrs"].tolist()]
 
 
 def _replayable(scheduler: Any) -> bool:
@@ -239,13 +250,13 @@ def _replayed_lrs(scheduler: Any, optimizer: torch.optim.Optimizer, steps: list[
     """The lr of each group at each attempt when a copy of ``scheduler`` (driving a copy
     of the optimizer's hyper-parameters, never the optimizer) steps after the attempts
     ``steps`` marks. The scheduler and optimizer given are left as they were."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     standin = types.SimpleNamespace(
-        param_groups=[{**copy.deepcopy({k: v for k, v in g.items() if k != "params"}), "params": []}
-                      for g in optimizer.param_groups],
+        param_groups=[{**copy.deepcopy(g), "params": []} for g in groups],
         defaults=dict(optimizer.defaults),
         step=lambda *args, **kwargs: None,
         _opt_called=True,
-    )  # fmt: skip
+    )
     replay = copy.deepcopy(scheduler, memo={id(optimizer): standin})
     lrs = []
     with warnings.catch_warnings():
@@ -288,11 +299,11 @@ def scheduler_differences(state: Mapping[str, Any], scheduler: Any, optimizer: t
         given = _replayed_lrs(scheduler, optimizer, steps)
     except Exception:  # a scheduler that cannot be copied or stepped apart: not replayed
         return problems
-    for attempt, (then, now) in enumerate(zip(used, given, strict=False)):  # used may be longer
-        if not all(map(_same_lr, then, now)):  # a checkpoint before 0.1.1 kept group 0 only
+    for attempt, (then, now) in enumerate(zip(used, given, strict=True)):
+        if not all(map(_same_lr, then, now)):
             problems.append(
                 f"scheduler: replayed over the {len(used)} update attempts already trained, it "
-                f"gives lr {_lrs_text(now[: len(then)])} at update attempt {attempt}, where the run "
+                f"gives lr {_lrs_text(now)} at update attempt {attempt}, where the run "
                 f"used {_lrs_text(then)} (another schedule: its "
                 "lambda, T_max, milestones, warm-up?)"
             )

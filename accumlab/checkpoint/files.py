@@ -3,12 +3,13 @@ back the newest intact one that every rank has.
 
 A checkpoint is one file per rank, ``checkpoint-<attempts>-rank<r>.pt`` in the checkpoint
 directory, where ``<attempts>`` is the run's update attempts so far (8 digits). It is
-written to a temporary file in the same directory, flushed and fsynced, then renamed
-over its final name (``os.replace``, atomic), so a kill at any moment leaves the previous
-checkpoints intact; a leftover temporary file is never read and is removed by the rank's
-next write. The newest ``keep`` (2) checkpoints of a rank are kept. ``torch.load(
-weights_only=True)`` reads it back, and its SHA-256 checksum must match. Only the run
-that holds the directory's lock (:mod:`accumlab.checkpoint.lock`) writes there.
+written by :func:`accumlab.atomic_write.write_atomically` (a temporary file in the same
+directory, flushed and fsynced, then renamed over its final name), so a kill, a full disk
+or a file-size limit at any moment leaves the previous checkpoints intact; a leftover
+temporary file is never read and is removed by the rank's next write. The newest
+``keep`` (2) checkpoints of a rank are kept. ``torch.load(weights_only=True)`` reads it
+back, and its SHA-256 checksum must match. Only the run that holds the directory's lock
+(:mod:`accumlab.checkpoint.lock`) writes there.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,48 +25,22 @@ from typing import Any
 import torch
 
 from .. import distributed
-from ..plan import check_positive_int
+from ..atomic_write import check_directory, fsync_directory, temp_pattern, write_atomically
+from ..validate import check_positive_int
 
-FORMAT = 2  # bumped when the layout of a checkpoint changes
+FORMAT = 3  # bumped when the layout of a checkpoint changes
 KEEP = 2  # checkpoints kept per rank
 _NAME = re.compile(r"^checkpoint-(\d{8,})-rank(\d+)\.pt$")
-_TEMP_PREFIX = ".checkpoint-"
-
 
 
 class CorruptCheckpointError(ValueError):
-    """A checkpoint file that cannot be trusted: empty, cut short, unreadable, of another
-    format, or its content does not match the checksum stored with it."""
+    """A checkpoint file that cannot be trusted: empty, cut short, unreadable, not an
+    accumlab checkpoint, or its content does not match the checksum stored with it."""
 
 
-def check_arguments(checkpoint_dir: object, checkpoint_every: object, resume: object) -> None:
-    """Check ``train``'s checkpoint keywords before any data is read.
-
-    ``checkpoint_dir`` is ``None`` (no checkpoints) or a non-empty path that is not an
-    existing file; ``checkpoint_every`` is ``None`` (write after the last update attempt
-    only) or a positive int of update attempts and needs ``checkpoint_dir``; ``resume`` is
-    a bool and ``True`` needs ``checkpoint_dir``.
-    """
-    if checkpoint_dir is not None:
-        if not isinstance(checkpoint_dir, (str, os.PathLike)):
-            raise TypeError(
-                "checkpoint_dir must be a path (str or os.PathLike) or None, got "
-                f"{type(checkpoint_dir).__name__}"
-            )
-        if not os.fspath(checkpoint_dir):
-            raise ValueError("checkpoint_dir is an empty path; give a directory such as 'runs/x'")
-        if Path(checkpoint_dir).exists() and not Path(checkpoint_dir).is_dir():
-            raise ValueError(f"checkpoint_dir {os.fspath(checkpoint_dir)!r} is a file, not a directory")
-    if checkpoint_every is not None:
-        check_positive_int("checkpoint_every", checkpoint_every)
-        if checkpoint_dir is None:
-            raise ValueError("checkpoint_every needs checkpoint_dir: where should the checkpoints go?")
-    if not isinstance(resume, bool):
-        raise TypeError(f"resume must be True or False, got {resume!r}")
-    if resume and checkpoint_dir is None:
-        raise ValueError("resume=True needs checkpoint_dir, the directory of the run to continue")
-
-
+class CheckpointFormatError(ValueError):
+    """An intact checkpoint of another :data:`FORMAT`, written by another version of
+    accumlab: this one cannot resume from it."""
 
 
 def checkpoint_path(directory: str | os.PathLike[str], update_attempts: int, rank: int = 0) -> Path:
@@ -92,34 +66,16 @@ def list_checkpoints(directory: str | os.PathLike[str], rank: int = 0) -> list[i
 
 
 def check_writable(directory: str | os.PathLike[str]) -> None:
-    """Create ``directory`` if needed and write (then remove) a temporary file there, so
-    that a directory checkpoints cannot be written to is an ``OSError`` before training,
-    not after the first window."""
-    directory = Path(directory)
+    """Create ``directory`` if needed and prove that it takes new files, so that a
+    directory checkpoints cannot be written to is an ``OSError`` before training, not
+    after the first window."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=f"{_TEMP_PREFIX}probe.", suffix=".tmp")
-        os.close(fd)
-        os.unlink(probe)
+        check_directory(directory)
     except OSError as exc:
         raise OSError(
-            f"cannot write checkpoints to checkpoint_dir {os.fspath(directory)!r} "
-            f"({exc.strerror or exc}); give a directory you can write to"
+            exc.errno, f"cannot write checkpoints to checkpoint_dir {os.fspath(directory)!r} "
+            f"({os.strerror(exc.errno) if exc.errno else exc}); give a directory you can write to"
         ) from exc
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename or an unlink in ``directory`` durable (a no-op where unsupported)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _feed(digest: Any, value: Any) -> None:
@@ -164,38 +120,34 @@ def save_checkpoint(
     checkpoint after ``update_attempts`` attempts; then delete the rank's checkpoints
     beyond the newest ``keep`` and its leftover temporary files. Returns the path.
 
-    The bytes go to a temporary file in the same directory (so the rename stays on one
-    file system), which is flushed and fsynced before ``os.replace`` gives it its final
-    name: a reader sees the old checkpoint or the whole new one, never part of one.
+    A reader sees the old checkpoints or the whole new one, never part of one. A write
+    that fails (a full disk, a file-size limit) is an ``OSError`` naming the file and the
+    cause; the checkpoints before it are left as they were.
     """
     check_positive_int("keep", keep)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(directory, update_attempts, rank)
-    fd, temp = tempfile.mkstemp(dir=directory, prefix=f"{_TEMP_PREFIX}{final.stem}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({**state, "sha256": payload_checksum(state)}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, final)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+        write_atomically(final, lambda f: torch.save({**state, "sha256": payload_checksum(state)}, f))
+    except OSError as exc:
+        raise OSError(exc.errno, f"{exc.strerror}; the checkpoints written before it are "
+                      "intact") from exc
     for old in list_checkpoints(directory, rank)[keep:]:
         checkpoint_path(directory, old, rank).unlink(missing_ok=True)
-    for leftover in directory.glob(f"{_TEMP_PREFIX}checkpoint-*-rank{rank}.*.tmp"):
+    for leftover in directory.glob(temp_pattern(f"checkpoint-*-rank{rank}.pt")):
         leftover.unlink(missing_ok=True)  # from a write that was killed
-    _fsync_directory(directory)
+    fsync_directory(directory)
     return final
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a checkpoint with ``torch.load(weights_only=True)`` onto the CPU (the
     ``load_state_dict`` methods then copy each tensor to where its parameter lives) and
-    verify its checksum. :class:`CorruptCheckpointError` naming the file and why when it
-    is empty, cut short, unreadable, not plain data, of another format or fails the
-    checksum (e.g. a flipped bit inside a stored weight)."""
+    verify its checksum. :class:`CheckpointFormatError` for a checkpoint of another
+    format; :class:`CorruptCheckpointError` naming the file and why when it is empty, cut
+    short, unreadable, not plain data, not a checkpoint or fails the checksum (e.g. a
+    flipped bit inside a stored weight)."""
     name = os.fspath(path)
 
     def corrupt(why: str) -> CorruptCheckpointError:
@@ -210,8 +162,13 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     except Exception as exc:  # a cut or damaged file fails in many ways inside torch.load
         first = (str(exc).strip().splitlines() or [""])[0].split(". ")[0][:160]
         raise corrupt(f"it is cut short or damaged ({type(exc).__name__}: {first})") from exc
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+    found = state.get("format") if isinstance(state, dict) else type(state).__name__
+    if isinstance(found, int) and found != FORMAT:
+        raise CheckpointFormatError(
+            f"cannot resume from {name}: it is a checkpoint of format {found} (another version "
+            f"of accumlab), this version reads format {FORMAT}; start the run in a new checkpoint_dir"
+        )
+    if found != FORMAT:
         raise corrupt(f"it is not an accumlab checkpoint of format {FORMAT} (found {found!r})")
     stored = state.pop("sha256", None)
     if stored != payload_checksum(state):

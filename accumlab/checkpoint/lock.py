@@ -6,14 +6,20 @@ the lock before it writes anything there and holds it until it returns or raises
 second run is refused at once with :class:`CheckpointDirectoryInUseError`, naming the
 holder (process id, host, start time). The lock is the file ``.checkpoint-lock`` in the
 directory, created with ``O_EXCL``, holding that record as JSON, and ``flock``-ed while
-the run lives; the run deletes it when it ends.
+the run lives; the run deletes it when it ends, but only while the file at that name is
+still the one it created (same device and inode, its own record): a lock file deleted by
+hand while the run lived, and since taken by another run, is that run's. Before each
+checkpoint write the run checks that the lock is still its own
+(:func:`check_still_held`) and stops with :class:`CheckpointDirectoryInUseError` when it
+is not: another run may be writing there.
 
 A lock left behind (the run was killed) is recognised and taken over with a warning:
 ``flock`` is released by the kernel when a process dies, however it dies, and the record
 names a process of this host that no longer runs (its pid is gone, or is another
-process: the start time differs). A record of another host is never taken over: no
-process here can tell whether that run still lives; the error says to delete the file
-once it is sure.
+process: the start time differs), or is no lock record at all (not JSON, or a pid that
+is no process id: the warning names the file and why). A record of another host is never
+taken over: no process here can tell whether that run still lives; the error says to
+delete the file once it is sure.
 
 File systems. On a local file system ``flock`` is exact. On NFS (Linux clients since
 2.6.12) ``flock`` is carried by NFS byte-range locks, held by the server, so runs on two
@@ -52,7 +58,13 @@ _SETTLE_S = 0.05  # pause before a fallback takeover reads its record back
 
 class CheckpointDirectoryInUseError(RuntimeError):
     """Another run (a live process, or one whose state cannot be told) holds the
-    checkpoint directory's lock; the message names it and what to do."""
+    checkpoint directory's lock, or the lock this run held is no longer its own; the
+    message names the lock file, the holder where known, and what to do."""
+
+
+#: The largest process id any system gives (``pid_t`` is a C int): a record naming a
+#: larger one is corrupt (``os.kill`` would raise ``OverflowError`` on it).
+_MAX_PID = 2**31 - 1
 
 
 def _process_start(pid: int) -> str | None:
@@ -66,13 +78,24 @@ def _process_start(pid: int) -> str | None:
         return None
 
 
+def _corrupt(record: dict[str, Any] | None) -> str | None:
+    """Why a lock record read back cannot be a run's, or ``None`` when it can be (or is
+    absent: a file still empty)."""
+    if record is None:
+        return None
+    pid, host = record.get("pid"), record.get("host")
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= _MAX_PID:
+        return f"its pid {pid!r} is not a process id"
+    if not isinstance(host, str):
+        return f"its host {host!r} is not a host name"
+    return None
+
+
 def _alive(record: dict[str, Any]) -> bool | None:
-    """Whether the process a record names runs: ``None`` when it is on another host."""
+    """Whether the process a valid record names runs: ``None`` when it is on another host."""
     if record.get("host") != socket.gethostname():
         return None
-    pid = record.get("pid")
-    if not isinstance(pid, int) or pid <= 0:
-        return False
+    pid = record["pid"]
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -86,6 +109,8 @@ def _alive(record: dict[str, Any]) -> bool | None:
 def _describe(record: dict[str, Any] | None) -> str:
     if not record:
         return "a process that has not written its name yet"
+    if _corrupt(record):
+        return f"a corrupt lock record ({_corrupt(record)})"
     return (f"process {record.get('pid')} on host {record.get('host')!r}, started "
             f"{record.get('started')}")
 
@@ -124,10 +149,21 @@ def _flock(fd: int) -> str:
         return "unsupported"  # ENOLCK, ENOSYS, EOPNOTSUPP, EINVAL: no flock on this file system
 
 
-# Locks this process holds, by directory: a thread that holds one may take it again (the
-# `accumlab train` command takes it before writing its settings file, then train() does).
-_HELD: dict[str, DirectoryLock] = {}
+# Locks this process holds, by directory, with the pid that took them (a child made by
+# fork inherits the dict, not the locks): another train() call of this process (another
+# thread) is refused with a message that says so.
+_HELD: dict[str, int] = {}
 _HELD_GUARD = threading.Lock()
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    """Whether ``path`` names the file open as ``fd`` (same device and inode)."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 class DirectoryLock:
@@ -135,8 +171,8 @@ class DirectoryLock:
 
     ``with DirectoryLock(directory):`` or :meth:`acquire` / :meth:`release`. Taking it
     creates the directory. Raises :class:`CheckpointDirectoryInUseError` when a live run
-    (another process, or another thread of this one) holds it, or when the holder is on
-    another host; warns when it takes over the lock of a process that is gone.
+    (another process, or another train() call of this one) holds it, or when the holder
+    is on another host; warns when it takes over the lock of a process that is gone.
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
@@ -144,9 +180,6 @@ class DirectoryLock:
         self.path = self.directory / LOCK_NAME
         self._key = os.path.realpath(self.directory)
         self._fd: int | None = None
-        self._depth = 0  # takes of this thread still to release (on the first taker)
-        self._outer: DirectoryLock | None = None  # the first taker, when this one took it again
-        self._thread = threading.get_ident()
         self.record: dict[str, Any] = {}
 
     def __enter__(self) -> DirectoryLock:
@@ -157,27 +190,21 @@ class DirectoryLock:
 
     def acquire(self) -> DirectoryLock:
         with _HELD_GUARD:
-            held = _HELD.get(self._key)
-            if held is not None:
-                if held._thread != threading.get_ident():
-                    raise CheckpointDirectoryInUseError(
-                        f"checkpoint directory {os.fspath(self.directory)} is in use by another "
-                        "thread of this process (a train() call still running); wait for it to "
-                        "return, or give this run another directory"
-                    )
-                held._depth += 1
-                self._outer = held
-                return self
+            if _HELD.get(self._key) == os.getpid():
+                raise CheckpointDirectoryInUseError(
+                    f"checkpoint directory {os.fspath(self.directory)} is in use by another "
+                    "train() call of this process (in another thread, or one this call runs "
+                    "inside); wait for it to return, or give this run another directory"
+                )
             self.directory.mkdir(parents=True, exist_ok=True)
             self._take()
-            self._depth = 1
-            _HELD[self._key] = self
+            _HELD[self._key] = os.getpid()
             return self
 
     def _take(self) -> None:
         me = {"pid": os.getpid(), "host": socket.gethostname(),
               "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "process_start": _process_start(os.getpid())}  # fmt: skip
+              "process_start": _process_start(os.getpid())}
         for _ in range(20):  # a holder that deletes the file as we open it: try again
             try:
                 fd, created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
@@ -190,11 +217,7 @@ class DirectoryLock:
                 state = _flock(fd)
                 if state == "busy":
                     raise self._in_use(self._holder(fd), flocked=True)
-                try:
-                    same_file = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-                except FileNotFoundError:
-                    same_file = False
-                if not same_file:  # released (deleted) between our open and our flock
+                if not _same_file(self.path, fd):  # released (deleted) between our open and our flock
                     os.close(fd)
                     continue
                 if not created:
@@ -227,27 +250,31 @@ class DirectoryLock:
     def _take_over(self, fd: int, state: str) -> None:
         """Take the lock file a run left behind, or raise when its holder may live (it
         runs, or it is on another host). A file that stays empty was left by a run killed
-        between creating it and writing its name."""
+        between creating it and writing its name; a corrupt record by no run of accumlab."""
         record = self._holder(fd)  # an empty file: its creator may be writing its name now
-        if record and _alive(record) is not False:
+        why = _corrupt(record)
+        if record and not why and _alive(record) is not False:
             raise self._in_use(record, flocked=state == "held")
+        left = (f"the lock file {self.path}, whose record is corrupt ({why}) and which no "
+                "process holds" if why else
+                f"the lock left by {_describe(record)}, which no longer runs (killed?)")
         warnings.warn(
-            f"checkpoint directory {os.fspath(self.directory)}: taking over the lock left by "
-            f"{_describe(record)}, which no longer runs (killed?); this run owns the "
-            "directory now",
+            f"checkpoint directory {os.fspath(self.directory)}: taking over {left}; this run "
+            "owns the directory now",
             UserWarning,
             stacklevel=7,
         )
 
     def _in_use(self, record: dict[str, Any] | None, *, flocked: bool) -> CheckpointDirectoryInUseError:
         where = os.fspath(self.directory)
-        if record and _alive(record) is None:
+        valid = record is not None and not _corrupt(record)
+        if valid and _alive(record) is None:  # type: ignore[arg-type]
             return CheckpointDirectoryInUseError(
                 f"checkpoint directory {where} is in use by {_describe(record)} (lock file "
                 f"{self.path}); a run on another host cannot be checked from here: wait for it "
                 "to end, or, once you are sure it has ended, delete the lock file and run again"
             )
-        gone = record is not None and flocked and _alive(record) is False
+        gone = valid and flocked and _alive(record) is False  # type: ignore[arg-type]
         why = ("; that process is gone, but a process it started (a DataLoader worker?) still "
                "holds the lock: run again once they have exited") if gone else ""
         return CheckpointDirectoryInUseError(
@@ -256,49 +283,74 @@ class DirectoryLock:
             "checkpoints: wait for that run to end, or give this one another directory"
         )
 
-    def release(self) -> None:
-        """Let the directory go (the outermost release of this thread deletes the file)."""
-        with _HELD_GUARD:
-            if self._outer is not None:
-                outer, self._outer = self._outer, None
-                outer._drop()
-            else:
-                self._drop()
+    def held(self) -> bool:
+        """Whether this process holds the lock: the file at its name is still the one it
+        took, holding its record (not deleted, replaced or overwritten since; a child made
+        by fork holds nothing)."""
+        if self._fd is None or self.record.get("pid") != os.getpid():
+            return False
+        return _same_file(self.path, self._fd) and _read(self._fd) == self.record
 
-    def _drop(self) -> None:
-        if self._fd is not None:
-            self._depth -= 1
-            if self._depth > 0:
+    def release(self) -> None:
+        """Let the directory go: delete the lock file if it is still this run's
+        (:meth:`held`; a file another run created at that name since is left alone)."""
+        with _HELD_GUARD:
+            if self._fd is None:
                 return
-            _HELD.pop(self._key, None)
-            fd, self._fd = self._fd, None
+            if _HELD.get(self._key) == os.getpid():
+                del _HELD[self._key]
             try:
-                if _read(fd) == self.record:
+                if self.held():
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(self.path)  # while flocked: a later opener makes a new file
             finally:
+                fd, self._fd = self._fd, None
                 os.close(fd)
+
+
+def _together(mine: Exception | None, others: str) -> None:
+    """Raise ``mine`` (rank 0's error, ``None`` when it has none) on rank 0 and
+    :class:`CheckpointDirectoryInUseError` saying ``others`` on every other rank, or
+    nothing anywhere (one small all-reduce under a process group)."""
+    from ..distributed import gather_counts
+    from .files import _rank_and_world
+
+    if _rank_and_world()[1] > 1 and gather_counts([mine is not None])[0][0] and mine is None:
+        raise CheckpointDirectoryInUseError(others)
+    if mine is not None:
+        raise mine
 
 
 def lock_run_directory(directory: str | os.PathLike[str]) -> DirectoryLock | None:
     """Take ``directory``'s lock for a run: rank 0 takes it, then every rank learns the
-    outcome (one small all-reduce under a process group) and all raise together when it
-    was refused. Returns the lock on rank 0, ``None`` on the other ranks."""
-    from ..distributed import gather_counts
+    outcome and all raise together when it was refused. Returns the lock on rank 0,
+    ``None`` on the other ranks."""
     from .files import _rank_and_world
 
-    rank, world = _rank_and_world()
     lock, refused = None, None
-    if rank == 0:
+    if _rank_and_world()[0] == 0:
         try:
             lock = DirectoryLock(directory).acquire()
         except (CheckpointDirectoryInUseError, OSError) as exc:  # OSError: cannot write there
             refused = exc
-    if world > 1 and gather_counts([refused is not None])[0][0] and refused is None:
-        raise CheckpointDirectoryInUseError(
-            f"rank 0 could not take the lock of checkpoint directory {os.fspath(directory)} "
-            "(its error says why: another run holds it, or the directory cannot be written)"
-        )
-    if refused is not None:
-        raise refused
+    _together(refused, f"rank 0 could not take the lock of checkpoint directory "
+                       f"{os.fspath(directory)} (its error says why: another run holds it, or "
+                       "the directory cannot be written)")
     return lock
+
+
+def check_still_held(lock: DirectoryLock | None, directory: str | os.PathLike[str]) -> None:
+    """Before a checkpoint write: :class:`CheckpointDirectoryInUseError` on every rank when
+    the lock rank 0 holds (``lock``; ``None`` on the other ranks) is no longer this run's,
+    because its file was deleted or replaced while the run lived (another run may have
+    taken the directory since); the message names the file."""
+    lost = None
+    if lock is not None and not lock.held():
+        lost = CheckpointDirectoryInUseError(
+            f"checkpoint directory {os.fspath(directory)} is no longer this run's: its lock file "
+            f"{lock.path} was deleted or replaced while the run lived, so another run may be "
+            "writing there; this run stopped before writing another checkpoint. Let one run "
+            "at a time use the directory, then resume"
+        )
+    _together(lost, f"rank 0 found that the lock of checkpoint directory "
+                    f"{os.fspath(directory)} is no longer this run's (its error says why)")

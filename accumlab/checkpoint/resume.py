@@ -5,19 +5,17 @@ and after the last one, holding the checkpoint directory's lock for the run's li
 
 from __future__ import annotations
 
-import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .. import distributed
+from ..distributed.alignment import gather_counts
 from ..ledger import Ledger
 from ..plan import AccumulationPlan
-from . import replay
 from .compare import (
     _FIX,
     ResumeMismatchError,
@@ -25,6 +23,7 @@ from .compare import (
     _loader_state,
     _real_microbatches,
     check_compatible,
+    recorded_lrs,
     run_settings,
     scheduler_moved,
     window_digest,
@@ -34,40 +33,43 @@ from .files import (
     KEEP,
     _rank_and_world,
     _refuse_a_used_directory,
-    check_arguments,
     check_writable,
     load_newest_intact,
     save_checkpoint,
 )
-from .lock import DirectoryLock, lock_run_directory
+from .lock import DirectoryLock, check_still_held, lock_run_directory
+from .replay import DataDraws, rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from ..settings import TrainSettings
 
 
 class Checkpointer:
     """What ``train`` needs for checkpoints: start (fresh or resumed), skip the windows
     already trained on, write after every ``every`` attempts and after the last one.
 
-    Without a ``directory`` it does nothing but hand out a fresh ledger and stop the
-    windows at ``max_updates``. With one, it first takes the directory's lock
-    (:mod:`accumlab.checkpoint.lock`): a run that another live run holds the directory
-    of is a :class:`~accumlab.checkpoint.lock.CheckpointDirectoryInUseError` naming it,
-    before anything is written there; :meth:`close` lets it go. A fresh start
-    (``resume=False``) into a directory that already holds checkpoints is a
-    ``ValueError``; a directory that cannot be written to is an ``OSError``, all before
-    any data is read. In ``train``::
+    It reads ``settings.checkpoint_dir``, ``checkpoint_every``, ``resume``,
+    ``max_updates``, the scheduler, the precision and what a resume must find unchanged
+    (:func:`run_settings`). Without a directory it does nothing but hand out a fresh
+    ledger and stop the windows at ``max_updates``. With one, it first takes the
+    directory's lock (:mod:`accumlab.checkpoint.lock`): a run that another live run holds
+    the directory of is a :class:`~accumlab.checkpoint.lock.CheckpointDirectoryInUseError`
+    naming it, before anything is written there; :meth:`close` (or leaving a ``with``
+    block) lets it go. A fresh start (``resume=False``) into a directory that already
+    holds checkpoints is a ``ValueError``; a directory that cannot be written to is an
+    ``OSError``, all before any data is read. In ``train``::
 
-        ckpt = Checkpointer(checkpoint_dir, checkpoint_every, resume, model=..., ...)
-        try:
-            ledger, halvings = ckpt.ledger, ckpt.halvings      # restored when resuming
-            for window in ckpt.windows(aligned_windows(...), max_updates):
+        with Checkpointer(settings, model, optimizer, scaler, plan, batches) as ckpt:
+            ledger = ckpt.ledger                             # restored when resuming
+            for window in ckpt.windows(aligned_windows(...)):
                 ...train the window, ledger.record(report)...
-                ckpt.after_attempt(halvings)
-            ckpt.finish(halvings)
-        finally:
-            ckpt.close()                                     # the lock, however it ends
+                ckpt.after_attempt()
+            ckpt.finish()
+        # leaving the block calls close(): the lock goes, however the run ends
 
     Resume reads the newest intact checkpoint (:func:`load_newest_intact`) and checks it
-    against this run (:func:`check_compatible`) when constructed; the ledger and the
-    shrink state are restored then. The model, optimizer, scheduler and GradScaler are
+    against this run (:func:`check_compatible`) when constructed; the ledger (with its
+    OOM shrinks) is restored then. The model, optimizer, scheduler and GradScaler are
     loaded only once :meth:`windows` has checked the data, so a refused resume leaves
     them as the caller built them.
 
@@ -89,37 +91,31 @@ class Checkpointer:
 
     def __init__(
         self,
-        directory: str | os.PathLike[str] | None,
-        every: int | None,
-        resume: bool,
-        *,
+        settings: TrainSettings,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        scheduler: Any,
         scaler: torch.amp.GradScaler | None,
         plan: AccumulationPlan,
-        precision: str,
         batches: Iterable[Any],
-        options: Mapping[str, Any] | None = None,
+        *,
         keep: int = KEEP,
     ) -> None:
-        check_arguments(directory, every, resume)
+        directory = settings.checkpoint_dir
         self.directory = None if directory is None else Path(directory)
-        self.every = every
+        self.every, self.max_updates = settings.checkpoint_every, settings.max_updates
         self.keep = keep
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.model, self.optimizer, self.scheduler = model, optimizer, settings.scheduler
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self.plan, self.precision, self.batches = plan, precision, batches
+        self.plan, self.precision, self.batches = plan, settings.precision, batches
         # Read before anything is loaded: the values this run starts with.
-        self.settings = run_settings(optimizer, scheduler, model=model, **dict(options or {}))
+        self.settings = run_settings(optimizer, settings, model=model)
         self.rank, self.world_size = _rank_and_world()
         self.ledger = Ledger()
-        self.halvings = 0
         self.resumed_from: int | None = None  # update attempts of the loaded checkpoint
         self._windows_done = 0  # aligned windows of the whole run fully processed
         self._digests: list[int] = []  # window_digest of each of them
-        self._draws = replay.DataDraws()  # window -> RNG state its reading drew from
-        self._lrs: list[list[float]] | None = []  # per update attempt, each group's lr it used
+        self._draws = DataDraws()  # window -> RNG state its reading drew from
+        self._lrs: list[list[float]] = []  # per update attempt, each group's lr it used
         self._lrs_next: list[float] = []
         self._skip = 0  # windows to skip on resume
         self._position = 0  # loader microbatches those windows must add up to
@@ -134,7 +130,7 @@ class Checkpointer:
                 raise
             try:
                 check_writable(self.directory)
-                if resume:
+                if settings.resume:
                     self._resume()
                 else:
                     _refuse_a_used_directory(self.directory)
@@ -147,6 +143,12 @@ class Checkpointer:
         if self._lock is not None:
             lock, self._lock = self._lock, None
             lock.release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()  # the lock, however the run ends
 
     def _resume(self) -> None:
         assert self.directory is not None
@@ -180,7 +182,7 @@ class Checkpointer:
         except ResumeMismatchError as exc:
             refused = exc
         # Every rank raises together, so none waits for the others in the skip's collectives.
-        ranks = [r for r, row in enumerate(distributed.gather_counts([refused is not None])) if row[0]]
+        ranks = [r for r, row in enumerate(gather_counts([refused is not None])) if row[0]]
         if refused is not None:
             raise refused
         if ranks:
@@ -189,13 +191,11 @@ class Checkpointer:
                 f"wrote it (their errors name what). {_FIX}"
             )
         self.ledger.load_state_dict(state["ledger"])
-        self.halvings = int(state["oom_halvings"])
         data, history = state["data"], state["data_history"]
         self._windows_done = int(data["windows"])
         self._digests = [int(d) for d in history["digests"].tolist()]
-        self._draws = replay.DataDraws.from_state(history)
-        lrs = history.get("lrs")  # absent from a checkpoint of format 2 written before it was kept
-        self._lrs = None if lrs is None else [[float(v) for v in row] for row in lrs.tolist()]
+        self._draws = DataDraws.from_state(history)
+        self._lrs = recorded_lrs(state)
         restorable = callable(getattr(self.batches, "load_state_dict", None))
         if data["loader"] is not None and self.world_size == 1 and restorable:
             self.batches.load_state_dict(data["loader"])  # type: ignore[attr-defined]
@@ -217,7 +217,7 @@ class Checkpointer:
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
         self.model.load_state_dict(state["model"])
-        replay.set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
 
     def _skip_trained(self, source: Iterator[Any]) -> None:
         """Read the windows already trained on again, checking each against the checkpoint
@@ -240,7 +240,7 @@ class Checkpointer:
                     f"trained on there{ids}"
                 )
             read += window.loader_batches
-        rows = distributed.gather_counts([first_bad, read])
+        rows = gather_counts([first_bad, read])
         if any(row[0] >= 0 for row in rows):
             rank, bad = next((r, row[0]) for r, row in enumerate(rows) if row[0] >= 0)
             where = f"window {bad}{hint}" if bad == first_bad else f"window {bad} of rank {rank}"
@@ -261,27 +261,28 @@ class Checkpointer:
                 f"the run that wrote it. {_FIX}"
             )
 
-    def windows(self, windows: Iterable[Any], max_updates: int | None) -> Iterator[Any]:
+    def windows(self, windows: Iterable[Any]) -> Iterator[Any]:
         """``windows`` (``distributed.aligned_windows``) after the ones already trained on,
         until the run's update attempts reach ``max_updates``; the next window is not read
         once they have. On resume, the checkpoint is put in place after the skip."""
-        def done() -> bool:
-            return max_updates is not None and self.ledger.update_attempts >= max_updates
+        limit = self.max_updates
 
+        def done() -> bool:
+            return limit is not None and self.ledger.update_attempts >= limit
+
+        source = iter(windows)
+        self._skip_trained(source)  # the data is checked even when no window is left to train
+        self._put_in_place()
         if done():
-            if self.resumed_from is not None and self.ledger.update_attempts > max_updates:  # type: ignore[operator]
+            if self.resumed_from is not None and self.ledger.update_attempts > limit:  # type: ignore[operator]
                 warnings.warn(
-                    f"max_updates={max_updates}, but the checkpoint in {self.directory} was written "
+                    f"max_updates={limit}, but the checkpoint in {self.directory} was written "
                     f"after {self.ledger.update_attempts} update attempts: the model is returned as "
                     "those attempts left it (nothing was trained or undone)",
                     UserWarning,
                     stacklevel=3,
                 )
-            self._put_in_place()
             return
-        source = iter(windows)
-        self._skip_trained(source)
-        self._put_in_place()
         while not done():
             if self.directory is None:
                 window = next(source, None)
@@ -295,22 +296,21 @@ class Checkpointer:
             self._windows_done += 1  # processed by the time the caller asks for the next
             yield window
 
-    def after_attempt(self, halvings: int) -> None:
+    def after_attempt(self) -> None:
         """Write a checkpoint when the run's update attempts are a multiple of ``every``."""
-        self.halvings = halvings
-        if self._lrs is not None and len(self._lrs) < self.ledger.update_attempts:
+        if len(self._lrs) < self.ledger.update_attempts:
             self._lrs.append(self._lrs_next)  # the lr this attempt used
         if self.every is not None and self.ledger.update_attempts % self.every == 0:
             self.save()
 
-    def finish(self, halvings: int) -> None:
+    def finish(self) -> None:
         """Write the final checkpoint, unless nothing changed since the last one."""
-        self.halvings = halvings
         if (self.ledger.update_attempts, self.ledger.loader_batches) != self._written:
             self.save()
 
     def state(self) -> dict[str, Any]:
-        """This rank's checkpoint as tensors and plain data."""
+        """This rank's checkpoint as tensors and plain data (each entry is described in
+        ``accumlab.checkpoint``'s docstring)."""
         return {
             "format": FORMAT,
             "update_attempts": self.ledger.update_attempts,
@@ -324,8 +324,8 @@ class Checkpointer:
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "ledger": self.ledger.state_dict(),
-            "oom_halvings": self.halvings,
-            "rng": replay.rng_state(),
+            "oom_halvings": len(self.ledger.shrinks),  # for a reader of the file; not read back
+            "rng": rng_state(),
             "data": {
                 "windows": self._windows_done,
                 "microbatches": self.ledger.loader_batches,
@@ -335,9 +335,9 @@ class Checkpointer:
                 "digests": torch.tensor(self._digests, dtype=torch.int64),
                 **self._draws.state(),
                 # per update attempt: each parameter group's lr (the scheduler's replay)
-                "lrs": None if self._lrs is None else torch.tensor(
-                    self._lrs, dtype=torch.float64
-                ).reshape(len(self._lrs), len(self.optimizer.param_groups)),
+                "lrs": torch.tensor(self._lrs, dtype=torch.float64).reshape(
+                    len(self._lrs), len(self.optimizer.param_groups)
+                ),
             },
         }
 
@@ -345,6 +345,7 @@ class Checkpointer:
         """Write this rank's checkpoint now (``None`` without a directory)."""
         if self.directory is None:
             return None
+        check_still_held(self._lock, self.directory)  # another run may own it now
         path = save_checkpoint(
             self.state(), self.directory, self.ledger.update_attempts, rank=self.rank, keep=self.keep
         )

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from accumlab.memory import WindowRecord
+    from accumlab.memory_records import WindowRecord
 
 
 def _numbers(name: str, values: object) -> list[float]:

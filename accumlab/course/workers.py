@@ -39,16 +39,14 @@ from ..distributed import (
     check_example_ids,
     example_ids_in,
     gather_example_ids,
-    gradient_sync,
-    local_device,
-    replicas_of,
     shard,
 )
 from ..driver import train
-from ..ledger import RunRecord
 from ..loop import default_forward
 from ..objectives import NextTokenLoss
+from ..parallel import gradient_sync, local_device, replicas_of
 from ..plan import AccumulationPlan
+from ..record import RunRecord
 from . import data
 from .models import TinyGPT
 
@@ -184,28 +182,17 @@ def ddp_window(
     window: Sequence[Mapping[str, Tensor]],
     objective: NextTokenLoss,
 ) -> int:
-    """One accumulation window under DDP, written out: every microbatch backpropagates
-    ``loss_sum × D / global_count``, and only the last one synchronizes.
-
-    ``window`` holds this rank's microbatches (CPU tensors). Adds the window's gradient to
-    ``.grad`` (the same on every rank afterwards) and returns the window's target count
-    summed over all ranks. It is what ``al.train`` does for each window.
-    """
-    device, world = local_device(), dist.get_world_size()  # D: one replica per rank
-    # The window's targets over ALL ranks: counted on the CPU before any forward pass,
-    # then summed over ranks by one all-reduce of a single number.
-    count = torch.tensor(sum(objective.count(mb) for mb in window), device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.SUM)
+    """One window under DDP by hand, as ``al.train`` runs it: adds the window's gradient
+    (the same on every rank afterwards) to ``.grad`` and returns its target count summed
+    over the ranks. ``window`` is this rank's microbatches (CPU tensors)."""
+    count = torch.tensor(sum(objective.count(mb) for mb in window), device=local_device())
+    dist.all_reduce(count)  # 1. the window's targets, summed over all ranks
     for i, mb in enumerate(window):
-        mb = {k: v.to(device) for k, v in mb.items()}
+        mb = {k: v.to(count.device) for k, v in mb.items()}
         last = i == len(window) - 1
-        # Every microbatch but the last inside no_sync, forward and backward: the last
-        # backward all-reduces the accumulated gradient (notebook 04 §2 measures why).
-        with contextlib.nullcontext() if last else model.no_sync():
-            logits = model(input_ids=mb["input_ids"]).logits
-            loss_sum = objective.loss_sum(logits, mb)
-            # DDP's all-reduce averages the D gradients; × D cancels that division.
-            (loss_sum * world / count).backward()
+        with contextlib.nullcontext() if last else model.no_sync():  # 3. forward and backward
+            loss_sum = objective.loss_sum(model(input_ids=mb["input_ids"]).logits, mb)
+            (loss_sum * dist.get_world_size() / count).backward()  # 2. × D: DDP averages
     return int(count)
 
 
@@ -215,7 +202,7 @@ def one_ddp_window(micro_batch_size: int = 2, accumulation_steps: int = 2) -> di
     rank, world = rank_and_world()
     examples = uneven_examples(world)[rank][: micro_batch_size * accumulation_steps]
     window = data.microbatches(examples, micro_batch_size)
-    model = DistributedDataParallel(small_model())
+    model = wrap(small_model(), "ddp")
     counter = SyncCounter().attach(model)  # a DDP communication hook that counts syncs
     objective = NextTokenLoss()
     global_targets = ddp_window(model, window, objective)
@@ -414,7 +401,7 @@ def window_variant(
     microbatch but the last (one of :data:`SYNC_MODES`). The defaults are the right ones."""
     device, world = local_device(), dist.get_world_size()
     local = sum(objective.count(mb) for mb in window)
-    total = torch.tensor(local)
+    total = torch.tensor(local, device=device)  # nccl reduces device tensors only
     dist.all_reduce(total)
     factor, denominator = {
         "× D / global count": (world, int(total)),
@@ -450,7 +437,7 @@ def scaled_without_d(micro_batch_size: int = 2, accumulation_steps: int = 2) -> 
     objective = NextTokenLoss()
     local = sum(objective.count(mb) for mb in window)
     out: dict[str, Any] = {**whoami(), "local_targets": local, "reference_norm": _norm(reference)}
-    total = torch.tensor(local)
+    total = torch.tensor(local, device=local_device())
     dist.all_reduce(total)
     out["global_targets"] = int(total)
     for name in NORMALIZATIONS:
@@ -556,6 +543,31 @@ def unaligned_windows(windows_per_rank: Sequence[int] = (1, 3), accumulation_ste
         train_window(model, window.microbatches, optimizer, NextTokenLoss())
         attempts += 1
     return attempts
+
+
+def memory_per_rank(micro_batch_size: int = 2, accumulation_steps: int = 2) -> dict[str, Any]:
+    """Notebook 05: one DDP window measured by this rank's own ``MemoryMeter`` on this
+    rank's device (:func:`local_device`), with this rank's :func:`uneven_examples` (short
+    answers on rank 0, long ones on rank 1) and SGD. Returns :func:`whoami` and, in bytes,
+    the window's baseline, its peak and what each microbatch's forward saved for backward:
+    this rank's figures, for its own device."""
+    from ..loop import train_window
+    from ..memory import MemoryMeter
+
+    rank, world = rank_and_world()
+    examples = uneven_examples(world)[rank][: micro_batch_size * accumulation_steps]
+    window = data.microbatches(examples, micro_batch_size)
+    model = wrap(small_model(), "ddp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    meter = MemoryMeter(local_device())
+    train_window(model, window, optimizer, NextTokenLoss(), meter=meter)
+    record = meter.last_window
+    return {
+        **whoami(),
+        "baseline_bytes": record.baseline_bytes,
+        "peak_bytes": record.peak_bytes,
+        "saved_bytes": record.saved_bytes,
+    }
 
 
 def window_timeline(accumulation_steps: int = 4, sync: str = "window") -> list[Any]:

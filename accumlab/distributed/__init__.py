@@ -5,24 +5,12 @@
 - :mod:`accumlab.distributed.alignment`: every rank runs the same windows, padded with
   zero-target microbatches, with the same plan.
 - :mod:`accumlab.distributed.audits`: example-ID coverage across ranks, DDP sync counting.
+- :mod:`accumlab.distributed.totals`: a ledger summed over the ranks.
 
 The core's own data-parallel pieces (``D``, the global count, ``no_sync``) live in
-:mod:`accumlab.parallel`, and summing a ledger over ranks in :mod:`accumlab.ledger`;
-they are re-exported here so that ``accumlab.distributed.X`` keeps working.
+:mod:`accumlab.parallel`.
 """
 
-from ..objectives import PADDING_ID, count_examples
-from ..parallel import (
-    any_rank,
-    check_replicas,
-    data_parallel_group,
-    global_count,
-    gradient_sync,
-    is_distributed,
-    local_device,
-    replicas_of,
-    unwrap,
-)
 from .alignment import (
     AlignedWindow,
     aligned_windows,
@@ -50,50 +38,32 @@ from .launch import (
     init_from_env,
     launch,
 )
+from .totals import rank_totals, reduce_ledger, summed_counts
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
-    "PADDING_ID",
     "AlignedWindow",
     "ExampleIdCheck",
     "SyncCounter",
     "WorkerTraceback",
     "aligned_windows",
-    "any_rank",
     "check_example_ids",
     "check_plan",
     "check_plans_agree",
-    "check_replicas",
-    "count_examples",
-    "data_parallel_group",
     "default_backend",
     "example_ids_in",
     "free_port",
     "gather_counts",
     "gather_example_ids",
-    "global_count",
-    "gradient_sync",
     "init_from_env",
-    "is_distributed",
     "is_padding",
     "launch",
-    "local_device",
     "padding_microbatch",
     "rank_totals",
     "reduce_ledger",
-    "replicas_of",
     "shard",
+    "summed_counts",
     "trained_lengths",
-    "unwrap",
     "window_lengths",
 ]
 
-
-def __getattr__(name: str) -> object:
-    # Summing a ledger over ranks lives in accumlab.ledger, which imports this package;
-    # importing it lazily keeps the old names without an import cycle.
-    if name in ("reduce_ledger", "rank_totals"):
-        from .. import ledger
-
-        return getattr(ledger, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..plan import check_positive_int
+from ..validate import check_positive_int, check_positive_number
 
 T = TypeVar("T")
 
@@ -271,8 +271,7 @@ def launch(
     """
     _check_importable(fn)
     check_positive_int("nprocs", nprocs)
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+    check_positive_number("timeout_s", timeout_s, meaning="seconds", dtype=torch.float64)
     backend = backend or default_backend(nprocs)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -4,12 +4,14 @@ give the full-batch gradient? (``pip install 'accumlab[hf]'``)
 ``audit_trainer(trainer, steps=1)`` runs the Trainer's own training path for ``steps``
 windows and returns a :class:`TrainerAuditReport` (``ok``, ``mistakes``, ``scale``,
 ``relative_error``, ``fix``). The pieces under it, for a Trainer callback:
-:class:`~accumlab.hf.capture.WindowRecorder` (record the microbatches and the pre-clip
-gradient of a window), :func:`~accumlab.hf.diagnose.diagnose` (windows -> report),
+:class:`~accumlab.hf.capture.TrainerCapture` (capture the microbatches a Trainer
+trains on and a window's pre-clip gradient), :func:`~accumlab.hf.diagnose.diagnose` (windows -> report),
 :func:`~accumlab.hf.state.preserved_model` / ``preserved_trainer`` (leave things as they were).
 
-Modules: ``capture`` (recording), ``reference`` (the objective's gradient and the weighting
-fits), ``verdict`` (names and evidence), ``fixes`` (pasteable fixes), ``report``,
+Modules: ``capture`` (recording), ``objectives`` (:class:`TokenLoss`, the objective a
+model means, each microbatch cut into its examples), ``reference`` (the objective's
+gradient and the weighting fits), ``invariance`` (split invariance, for a loss the audit
+does not know), ``verdict`` (names and evidence), ``fixes`` (pasteable fixes), ``report``,
 ``diagnose``, ``state`` (snapshot and restore), ``audit`` (``audit_trainer``).
 """
 
@@ -22,12 +24,30 @@ except ImportError:
         "accumlab.hf needs Hugging Face transformers: pip install 'accumlab[hf]'"
     ) from None
 
-from .audit import TESTED_TRANSFORMERS, audit_trainer, run_windows
-from .capture import CapturedWindow, Microbatch, WindowRecorder
-from .diagnose import diagnose
-from .report import TrainerAuditReport
-from .state import preserved_model, preserved_trainer
-from .verdict import CAUSES, TRAINER_MISTAKES
+#: The oldest transformers the audit runs on: the first whose Trainer passes
+#: num_items_in_batch (before it, every loss was a mean per microbatch divided by A).
+OLDEST_TRANSFORMERS = "4.46"
+
+
+def _too_old(version: str) -> bool:
+    from packaging.version import Version
+
+    return Version(Version(version).base_version) < Version(OLDEST_TRANSFORMERS)
+
+
+if _too_old(_transformers.__version__):
+    raise ImportError(
+        f"accumlab.hf needs transformers >= {OLDEST_TRANSFORMERS} (the first Trainer with "
+        f"num_items_in_batch), found {_transformers.__version__}: pip install -U 'accumlab[hf]'"
+    )
+
+from .audit import TESTED_TRANSFORMERS, audit_trainer, run_windows  # noqa: E402 (after the version check)
+from .capture import CapturedWindow, Microbatch, TrainerCapture  # noqa: E402 (after the version check)
+from .diagnose import diagnose  # noqa: E402 (after the version check)
+from .objectives import TokenLoss  # noqa: E402 (after the version check)
+from .report import TrainerAuditReport  # noqa: E402 (after the version check)
+from .state import preserved_model, preserved_trainer  # noqa: E402 (after the version check)
+from .verdict import CAUSES, TRAINER_MISTAKES  # noqa: E402 (after the version check)
 
 TRANSFORMERS_VERSION: str = _transformers.__version__
 
@@ -48,8 +68,10 @@ __all__ = [
     "AuditCallback",
     "CapturedWindow",
     "Microbatch",
+    "OLDEST_TRANSFORMERS",
+    "TokenLoss",
     "TrainerAuditReport",
-    "WindowRecorder",
+    "TrainerCapture",
     "audit_trainer",
     "diagnose",
     "preserved_model",

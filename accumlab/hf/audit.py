@@ -12,21 +12,21 @@ audited window.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from torch.utils.data import IterableDataset
 
 from ..objectives import Objective
-from .capture import CapturedWindow, WindowRecorder
-from .diagnose import diagnose
+from .capture import CapturedWindow, TrainerCapture, unwrapped_model
+from .diagnose import diagnose, tolerances
+from .invariance import batch_samples, split_invariance, train_window
 from .report import TrainerAuditReport
 from .state import preserved_trainer
 
-#: The transformers releases the audit is tested with, both ends tested (4.57.6 in
-#: tests/hf/test_hf_audit_versions.py, 5.24.0 as installed); the Trainer's
-#: num_items_in_batch counting changed between them. Outside it, reports carry a note.
-TESTED_TRANSFORMERS = ">=4.57.6,<=5.24.0"
+#: The transformers releases the audit is tested with: 4.46.3 (the first with
+#: num_items_in_batch), 4.50.3 and 4.57.6 (tests/hf/test_hf_audit_versions.py, each in a
+#: folder of its own) and 5.24.0 as installed. Outside it, reports carry a note.
+TESTED_TRANSFORMERS = ">=4.46.3,<=5.24.0"
 
 
 def _version_note() -> str | None:
@@ -139,29 +139,33 @@ def run_windows(trainer: Any, steps: int) -> list[CapturedWindow]:
     accumulation = trainer.args.gradient_accumulation_steps
     loader = trainer.get_train_dataloader()
     iterator = iter(loader)
-    recorder = WindowRecorder()
+    capture = TrainerCapture()
     try:
-        with recorder.install(trainer):
+        with capture.install(trainer):
             for _ in range(steps):
-                batches, num_items = trainer.get_batch_samples(iterator, accumulation, trainer.args.device)
+                batches, num_items = batch_samples(trainer, iterator, accumulation, trainer.args.device)
                 if not batches:
                     break
-                trainer.current_gradient_accumulation_steps = len(batches)
-                recorder.open_window()
-                for i, inputs in enumerate(batches):
-                    last = i == len(batches) - 1
-                    trainer.accelerator.gradient_state._set_sync_gradients(last)
-                    sync = contextlib.nullcontext() if last else trainer.accelerator.no_sync(model)
-                    with sync:
-                        trainer.training_step(model, inputs, num_items)
-                recorder.close_window(trainer.model)
-                trainer.model.zero_grad(set_to_none=True)
+                capture.open_window()
+                train_window(trainer, model, batches, num_items)
+                capture.close_window(trainer.model)
+                trainer.model.zero_grad(set_to_none=True)  # the window holds its .grad tensors
     finally:
         close = getattr(iterator, "close", None)
         if callable(close):
             close()
         del iterator
-    return recorder.windows
+    return capture.windows
+
+
+def invariance_report(trainer: Any, windows: list[CapturedWindow], unknown: TrainerAuditReport) -> TrainerAuditReport:
+    """The report for a job whose objective the audit does not know: split invariance
+    of each window (:mod:`accumlab.hf.invariance`), run inside :func:`preserved_trainer`."""
+    ok_tol, _ = tolerances(trainer)
+    model = _training_model(trainer)
+    results = [split_invariance(trainer, model, w, ok_tol) for w in windows if w.microbatches]
+    return TrainerAuditReport.from_invariance(results, unknown.reason, ok_tol, trainer,
+                                              unwrapped_model(trainer))
 
 
 def audit_trainer(
@@ -203,12 +207,16 @@ def audit_trainer(
     with preserved_trainer(trainer):
         windows = run_windows(trainer, steps)
         report = diagnose(windows, trainer, objective=objective)
+        if report.unknown_objective:
+            report = invariance_report(trainer, windows, report)
+        del windows
     for note in (_version_note(), _checkpointing_note(trainer)):
         if note is not None:
             report.notes.append(note)
-    if report.checked and len(report.windows) < asked:
+    audited = len(report.invariance or report.windows)
+    if report.checked and audited < asked:
         held = "the run takes" if steps < asked else "the first epoch holds"
-        report.notes.append(f"{held} {len(report.windows)} windows; {asked} were asked for")
+        report.notes.append(f"{held} {audited} windows; {asked} were asked for")
     return report
 
 

@@ -1,7 +1,7 @@
 """``AuditCallback``: check the first updates of a real ``Trainer`` run, on its real data.
 
 ``Trainer(..., callbacks=[AuditCallback()])`` audits the first ``steps`` optimizer steps
-of each ``trainer.train()`` call. For each, a :class:`~accumlab.hf.capture.WindowRecorder`
+of each ``trainer.train()`` call. For each, a :class:`~accumlab.hf.capture.TrainerCapture`
 records the microbatches the Trainer trains on (inputs, ``num_items_in_batch``, random
 state) and the gradient after the window's last backward pass and the data-parallel
 sync, before clipping; then, at ``on_pre_optimizer_step`` (before ``optimizer.step()``),
@@ -11,8 +11,10 @@ as one batch under the objective the job means, and names what differs. With
 applied; with ``"warn"`` the report is a warning and the run goes on.
 
 Costs: an audited update runs one extra forward and backward pass over its examples (the
-reference), keeps a copy of its inputs and a float64 copy of the gradient until it is
-judged. Once the audited updates are done the recorder is removed: ``training_step`` and
+reference; a second one only when the gradient is wrong and its weighting is to be named),
+or, for a loss the audit does not know, the same examples at two finer splits; it keeps a
+copy of the window's inputs and holds the window's own ``.grad`` tensors while one more
+gradient is accumulated beside them. Once the audited updates are done the recorder is removed: ``training_step`` and
 ``clip_grad_norm_`` are the Trainer's own again, and the run continues exactly as it
 would have without the callback (the reference replays each microbatch's random state,
 so dropout draws the same masks, and the gradients, buffers, modes and random states
@@ -32,7 +34,7 @@ from typing import Literal
 from transformers import Trainer, TrainerCallback
 
 from ..objectives import Objective
-from .capture import WindowRecorder
+from .capture import TrainerCapture
 from .diagnose import diagnose
 from .report import TrainerAuditReport
 
@@ -91,7 +93,7 @@ class AuditCallback(TrainerCallback):
         self.objective = objective
         self.reports: list[TrainerAuditReport] = []
         self._trainer: Trainer | None = None
-        self._recorder: WindowRecorder | None = None
+        self._recorder: TrainerCapture | None = None
         self._left = 0
 
     # -- the Trainer's events --------------------------------------------------------------
@@ -105,7 +107,7 @@ class AuditCallback(TrainerCallback):
             self._judge(TrainerAuditReport.unchecked(reason))
             return
         self._left = self.steps
-        self._recorder = WindowRecorder()
+        self._recorder = TrainerCapture()
         self._recorder.install(self._trainer)  # removed by _stop()
 
     def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
@@ -123,6 +125,12 @@ class AuditCallback(TrainerCallback):
             self._stop()
         try:
             report = diagnose(windows, trainer, objective=self.objective)
+            if report.unknown_objective:  # split invariance, on the run's own window
+                from .audit import invariance_report
+                from .state import preserved_trainer
+
+                with preserved_trainer(trainer):
+                    report = invariance_report(trainer, windows, report)
         except BaseException:
             self._stop()  # the error leaves train(): take the wrappers out with it
             raise

@@ -1,22 +1,25 @@
 """Record what a Hugging Face ``Trainer`` trains on and the gradient it would apply.
 
-A :class:`WindowRecorder` is the audit's eye inside the Trainer's own training path. Its
-internal API (used by :func:`accumlab.hf.audit_trainer` and by a Trainer callback):
+A :class:`TrainerCapture` is the audit's eye inside the Trainer's own training path. It
+differs from the course's ``accumlab.course.plots.WindowRecorder`` (which draws the
+timeline of a window loop a lesson writes) and from the loop audit's watch: it captures
+the microbatches a ``Trainer`` hands its own ``training_step``, on the job's real data. Its internal API (used by :func:`accumlab.hf.audit_trainer` and by a Trainer callback):
 
 - ``recorder.install(trainer)`` wraps ``trainer.training_step`` (on the instance, so a
   subclass's override still runs) to record each microbatch the Trainer trains on: the
   ``inputs`` mapping as handed to ``training_step`` (tensors cloned, before the Trainer
   moves them to its device), ``num_items_in_batch`` as the Trainer computed it, and the
-  torch RNG state at entry (so the reference forward pass can replay the same dropout
+  torch RNG state at entry and at exit (equal when the step drew no random number: no
+  dropout; otherwise the reference replays the entry state, so dropout draws the same
   masks). It also wraps ``trainer.accelerator.clip_grad_norm_`` so the window's gradient
   is taken *before* clipping. ``recorder.remove()`` undoes both; ``install`` is also a
   context manager (``with recorder.install(trainer): ...``).
 - ``recorder.open_window()`` starts a window; microbatches recorded while a window is open
   belong to it (outside a window they are ignored).
 - ``recorder.close_window(model)`` snapshots the gradient now in ``model``'s trainable
-  parameters (float64 on the CPU, one flat vector; divided by the loss scale when the
-  Trainer's accelerator holds an enabled GradScaler, since the snapshot comes before
-  the Trainer unscales) and ends the window. It is idempotent
+  parameters (the ``.grad`` tensors themselves, no copy; with the factor that undoes an
+  enabled GradScaler's loss scale, or the clip the Trainer applies in place right after)
+  and ends the window. It is idempotent
   per window: the clip wrapper calls it before the first clip of a sync step, and a
   callback's ``on_pre_optimizer_step`` may call it again harmlessly (with
   ``max_grad_norm=0`` there is no clip on older Trainers, so that call is the one that
@@ -24,8 +27,9 @@ internal API (used by :func:`accumlab.hf.audit_trainer` and by a Trainer callbac
   sync, before the optimizer step.
 - ``recorder.windows``: the closed :class:`CapturedWindow` objects, in order.
 
-Memory: each recorded microbatch is kept (a clone of its tensors) and each window holds
-one float64 copy of the trainable gradient, until the recorder is dropped.
+Memory: each recorded microbatch is kept (a clone of its inputs, on the CPU as the loader
+gave them) and each window holds one float32 copy of the trainable gradient on the
+model's device, until the capture is dropped.
 """
 
 from __future__ import annotations
@@ -56,6 +60,10 @@ class RngState:
         if self.cuda:
             torch.cuda.set_rng_state_all(self.cuda)
 
+    def same_as(self, other: RngState) -> bool:
+        return torch.equal(self.cpu, other.cpu) and len(self.cuda) == len(other.cuda) and all(
+            torch.equal(a, b) for a, b in zip(self.cuda, other.cuda, strict=True))
+
 
 @dataclass
 class Microbatch:
@@ -64,6 +72,7 @@ class Microbatch:
     inputs: dict[str, Any]
     num_items_in_batch: Tensor | int | None
     rng: RngState
+    random: bool = False  # the step drew random numbers (dropout): its exit state differed
 
 
 @dataclass
@@ -71,12 +80,23 @@ class CapturedWindow:
     """One accumulation window as the Trainer ran it on this rank.
 
     ``gradient``: the trainable parameters' gradients after the window's last backward pass
-    and the gradient sync, before clipping, flattened in ``named_parameters`` order into one
-    float64 CPU vector (zeros for a parameter without a gradient); None until closed.
+    and the gradient sync, in ``named_parameters`` order (None for a parameter without one):
+    the ``.grad`` tensors themselves, not copies (the audit never writes into them; a sharded
+    gradient is gathered into its full tensor); None until closed. The gradient the window
+    computed is ``factor`` times them: ``1 / loss scale`` under an enabled GradScaler, and
+    ``1 / clip coefficient`` when the Trainer clipped them in place after the snapshot.
     """
 
     microbatches: list[Microbatch] = field(default_factory=list)
-    gradient: Tensor | None = None
+    gradient: list[Tensor | None] | None = None
+    factor: float = 1.0
+
+
+def unwrapped_model(trainer: Any) -> nn.Module:
+    """The Trainer's model without DDP or compile wrappers."""
+    model = trainer.model
+    accelerator = getattr(trainer, "accelerator", None)
+    return accelerator.unwrap_model(model) if accelerator is not None else model
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -84,21 +104,25 @@ def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def flat_gradient(model: nn.Module) -> Tensor:
-    """The trainable parameters' ``.grad`` as one float64 CPU vector (zeros where None).
-
-    A sharded gradient (DTensor) is gathered into the full tensor first.
-    """
-    parts = []
+def held_gradient(model: nn.Module) -> list[Tensor | None]:
+    """The trainable parameters' ``.grad`` tensors themselves (a sharded one gathered)."""
+    grads: list[Tensor | None] = []
     for _, p in trainable_parameters(model):
         g = p.grad
-        if g is None:
-            parts.append(torch.zeros(p.numel(), dtype=torch.float64))
-            continue
-        if hasattr(g, "full_tensor"):
+        if g is not None and hasattr(g, "full_tensor"):
             g = g.full_tensor()
-        parts.append(g.detach().to("cpu", torch.float64).reshape(-1))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        grads.append(None if g is None else g.detach())
+    return grads
+
+
+def unclip_factor(total_norm: Any, max_norm: Any) -> float:
+    """``1 / coefficient`` of ``torch.nn.utils.clip_grad_norm_`` (``max_norm / (norm +
+    1e-6)``, at most 1): what undoes the clip it just applied."""
+    total = float(total_norm)
+    if max_norm is None or not (total == total) or total in (float("inf"), 0.0):
+        return 1.0
+    coefficient = min(1.0, float(max_norm) / (total + 1e-6))
+    return 1.0 / coefficient if coefficient > 0 else 1.0
 
 
 def clone_inputs(inputs: Any) -> Any:
@@ -112,8 +136,8 @@ def clone_inputs(inputs: Any) -> Any:
     return inputs
 
 
-class WindowRecorder:
-    """Records microbatches and pre-clip gradients of a Trainer (see the module docstring)."""
+class TrainerCapture:
+    """Captures a Trainer's microbatches and pre-clip gradients (see the module docstring)."""
 
     def __init__(self) -> None:
         self.windows: list[CapturedWindow] = []
@@ -141,11 +165,11 @@ class WindowRecorder:
         model = model if model is not None else self._model
         if model is None:
             raise ValueError("close_window needs the model whose gradient to snapshot")
-        window.gradient = flat_gradient(model)
+        window.gradient = held_gradient(model)
         if self._scaler is not None and self._scaler.is_enabled():
             # fp16 with a GradScaler: the gradient is still multiplied by the loss scale
             # here (the Trainer unscales inside the clip this snapshot comes before).
-            window.gradient = window.gradient / float(self._scaler.get_scale())
+            window.factor = 1.0 / float(self._scaler.get_scale())
         self.windows.append(window)
         return window
 
@@ -156,22 +180,31 @@ class WindowRecorder:
         nib = num_items_in_batch.detach().clone() if isinstance(num_items_in_batch, Tensor) else num_items_in_batch
         self._open.microbatches.append(Microbatch(clone_inputs(dict(inputs)), nib, RngState.now()))
 
+    def step_done(self) -> None:
+        """Note whether the last recorded step drew random numbers (its RNG moved)."""
+        if self._open is not None and self._open.microbatches:
+            last = self._open.microbatches[-1]
+            last.random = last.random or not last.rng.same_as(RngState.now())
+
     # -- hooks into a Trainer ----------------------------------------------------------
 
-    def install(self, trainer: Any) -> contextlib.AbstractContextManager[WindowRecorder]:
+    def install(self, trainer: Any) -> contextlib.AbstractContextManager[TrainerCapture]:
         """Wrap ``trainer.training_step`` and ``trainer.accelerator.clip_grad_norm_``.
 
         Returns a context manager that calls :meth:`remove` on exit; calling ``install``
         without ``with`` leaves the wrappers until ``remove()``.
         """
         if self._undo:
-            raise RuntimeError("this recorder is already installed; call remove() first")
+            raise RuntimeError("this capture is already installed; call remove() first")
         self._model = trainer.model
         step = trainer.training_step
 
         def training_step(model: nn.Module, inputs: Any, num_items_in_batch: Any = None, *a: Any, **k: Any) -> Any:
             self.record(inputs, num_items_in_batch)
-            return step(model, inputs, num_items_in_batch, *a, **k)
+            try:
+                return step(model, inputs, num_items_in_batch, *a, **k)
+            finally:
+                self.step_done()
 
         self._patch(trainer, "training_step", training_step)
         accelerator = getattr(trainer, "accelerator", None)
@@ -180,15 +213,17 @@ class WindowRecorder:
             clip = accelerator.clip_grad_norm_
 
             def clip_grad_norm_(*a: Any, **k: Any) -> Any:
-                if self._open is not None:
-                    self.close_window()
-                return clip(*a, **k)
+                window = self.close_window() if self._open is not None else None
+                total = clip(*a, **k)
+                if window is not None:  # unscaled and clipped in place, in the tensors held
+                    window.factor = unclip_factor(total, k.get("max_norm", a[1] if len(a) > 1 else None))
+                return total
 
             self._patch(accelerator, "clip_grad_norm_", clip_grad_norm_)
         return self._installed()
 
     @contextlib.contextmanager
-    def _installed(self) -> Iterator[WindowRecorder]:
+    def _installed(self) -> Iterator[TrainerCapture]:
         try:
             yield self
         finally:
@@ -214,8 +249,10 @@ __all__ = [
     "CapturedWindow",
     "Microbatch",
     "RngState",
-    "WindowRecorder",
+    "TrainerCapture",
     "clone_inputs",
-    "flat_gradient",
+    "held_gradient",
+    "unclip_factor",
     "trainable_parameters",
+    "unwrapped_model",
 ]

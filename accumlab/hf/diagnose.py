@@ -18,16 +18,18 @@ modes, buffers, RNG states: :func:`accumlab.hf.state.preserved_model`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ..objectives import ExampleLoss, NextTokenLoss, Objective
-from .capture import CapturedWindow
-from .fixes import fix_for
-from .reference import intended_objective, measure_window
+from ..objectives import ExampleLoss, Objective
+from .capture import CapturedWindow, unwrapped_model
+from .fixes import fix_for, has_code
+from .objectives import Intended, TokenLoss, intended_objective
+from .reference import measure_window, user_intended
 from .report import TrainerAuditReport
 from .state import preserved_model
 from .verdict import TRAINER_MISTAKES, blind_spots, name_causes
@@ -35,32 +37,70 @@ from .verdict import TRAINER_MISTAKES, blind_spots, name_causes
 #: Relative error within which a full-precision job is ok (float32 gives about 1e-7 on the
 #: tiny GPT-2; the bound leaves room for larger models' rounding).
 FP32_TOLERANCE = 1e-4
-#: The same under bf16/fp16 autocast, where the Trainer's forward runs in half precision
-#: and the reference in the parameters' precision.
+#: The same under bf16/fp16 (autocast or half-precision weights): the reference runs under
+#: the job's own autocast, but rows and padded microbatches round differently. Counts are
+#: integers: a divisor off by even one target in the window is still named (the fitted
+#: divisor's nearest candidate, see :func:`accumlab.hf.verdict.name_causes`).
 MIXED_TOLERANCE = 3e-2
 
 
 def tolerances(trainer: Any) -> tuple[float, float]:
     """``(ok, match)``: the relative error a correct job stays within, and the residual
     within which a weighting pattern explains the gradient."""
-    args = getattr(trainer, "args", None)
-    mixed = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
-    ok = MIXED_TOLERANCE if mixed else FP32_TOLERANCE
+    ok = MIXED_TOLERANCE if mixed_precision(trainer) else FP32_TOLERANCE
     return ok, max(10 * ok, 1e-3)
 
 
-def unwrapped_model(trainer: Any) -> torch.nn.Module:
-    """The Trainer's model without DDP or compile wrappers."""
-    model = trainer.model
-    accelerator = getattr(trainer, "accelerator", None)
-    return accelerator.unwrap_model(model) if accelerator is not None else model
+def mixed_precision(trainer: Any) -> bool:
+    """True under bf16/fp16 autocast or with half-precision trainable weights."""
+    args = getattr(trainer, "args", None)
+    if getattr(args, "bf16", False) or getattr(args, "fp16", False):
+        return True
+    return any(p.dtype in (torch.float16, torch.bfloat16) for p in trainer.model.parameters() if p.requires_grad)
 
 
-def objective_kind(objective: Objective) -> str:
-    """``"causal"`` (next-token, -100 ignored), ``"example"`` (cross-entropy per example)
-    or ``"custom"``: which correct loss a fix writes out."""
-    if isinstance(objective, NextTokenLoss) and objective.ignore_index == -100:
-        return "causal"
+def autocast_context(trainer: Any) -> Any:
+    """The job's autocast, as its ``compute_loss`` runs under it (a no-op in fp32)."""
+    make = getattr(trainer, "compute_loss_context_manager", None) or getattr(
+        trainer, "autocast_smart_context_manager", None)
+    return make if callable(make) else contextlib.nullcontext
+
+
+def own_loss(trainer: Any, model: torch.nn.Module) -> str | None:
+    """Why the job's loss is not the cross-entropy its model and labels imply, or None: a
+    ``loss_type`` of the Trainer's arguments other than plain negative log-likelihood (TRL's
+    ``dft``), or a model that adds a router balance loss (a mixture of experts with
+    ``output_router_logits``)."""
+    loss_type = getattr(getattr(trainer, "args", None), "loss_type", None)
+    if isinstance(loss_type, str) and loss_type != "nll":
+        return f"the Trainer's loss_type is {loss_type!r}, its own loss"
+    for m in (model, *model.modules()):
+        config = getattr(m, "config", None)
+        coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+        if getattr(config, "output_router_logits", False) and coef > 0:
+            return (f"{type(m).__name__} adds a router balance loss (router_aux_loss_coef {coef:g}) "
+                    "to its cross-entropy")
+    return None
+
+
+def intended_for(trainer: Any, model: torch.nn.Module, batch: Any, objective: Objective | None) -> Intended:
+    """The objective the job means: the caller's, or the one its model and labels imply
+    (with the Trainer's label smoothing); unknown when the loss is the job's own."""
+    if objective is not None:
+        return user_intended(objective)
+    own = own_loss(trainer, model)
+    if own is not None:
+        return Intended(None, "unknown", own)
+    smoothing = float(getattr(getattr(trainer, "args", None), "label_smoothing_factor", 0.0) or 0.0)
+    return intended_objective(model, batch, smoothing)
+
+
+def objective_kind(intended: Intended) -> str:
+    """Which correct loss a fix writes out: ``"causal"``, ``"unshifted"`` (masked LM, token
+    classification, seq2seq), ``"example"`` or ``"custom"``."""
+    objective = intended.objective
+    if isinstance(objective, TokenLoss):
+        return "causal" if objective.shift else "unshifted"
     if isinstance(objective, ExampleLoss) and objective.name == "cross_entropy":
         return "example"
     return "custom"
@@ -74,19 +114,16 @@ def diagnose(
     if not windows:
         return TrainerAuditReport.unchecked("no microbatch was trained in the audited windows")
     model = unwrapped_model(trainer)
-    labels = windows[0].microbatches[0].inputs.get("labels")
-    if objective is None:
-        objective, described = intended_objective(model, labels)
-        if objective is None:
-            return TrainerAuditReport.unchecked(described)
-    else:
-        described = f"{objective!r}: sum of its loss over the window's examples / its count"
+    intended = intended_for(trainer, model, windows[0].microbatches[0].inputs, objective)
+    if intended.objective is None:
+        return TrainerAuditReport.unchecked(intended.described, unknown_objective=True)
+    described = intended.described
     device = getattr(getattr(trainer, "args", None), "device", None) or next(model.parameters()).device
     ok_tol, match = tolerances(trainer)
     try:
         with preserved_model(model):
-            measures = [measure_window(model, w, objective, device) for w in windows]
-    except (TypeError, ValueError, KeyError) as err:
+            measures = [measure_window(model, w, intended, device, autocast_context(trainer)) for w in windows]
+    except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as err:
         return TrainerAuditReport.unchecked(
             f"the reference forward pass of {type(model).__name__} failed: {err}"
         )
@@ -99,13 +136,28 @@ def diagnose(
     mistakes = [k for k in TRAINER_MISTAKES if k in evidence]
     worst = max(measures, key=lambda m: -1.0 if math.isnan(m.relative_error) else m.relative_error)
     ok = not mistakes and all(m.relative_error <= ok_tol for m in measures)
-    fix, needs_new = fix_for(mistakes, trainer, model, objective_kind(objective), measures[0].ranks)
+    if mistakes == ["not_token_mean"]:  # the loss is not the audited one: check the property
+        return TrainerAuditReport.unchecked(
+            f"the gradient is no weighting of the {described} (scale {worst.scale:.4f}, relative "
+            f"error {worst.relative_error:.1e}): the loss is the job's own", unknown_objective=True)
+    fix = fix_for(mistakes, trainer, model, objective_kind(intended), measures[0].ranks)
     notes = []
     if ok:
         for note in blind_spots(measures[0], ok_tol):
             notes.append(note)
     if any(m.targets == 0 for m in measures):
         notes.append("a window had no target at all: its reference is zero")
+    if any(m.replayed for m in measures):
+        notes.append(
+            "the job's steps draw random numbers (dropout): the reference replays its collated "
+            "microbatches with the same masks, so padding and packing were checked by their "
+            "counts only (turn dropout off to compare with each example in its own row)"
+        )
+    if mixed_precision(trainer):
+        notes.append(
+            f"mixed precision: the reference runs under the job's autocast; the relative error "
+            f"is allowed {ok_tol:g} of rounding, the divisor is checked as an integer count"
+        )
     return TrainerAuditReport(
         ok=ok,
         checked=True,
@@ -113,7 +165,7 @@ def diagnose(
         scale=worst.scale,
         relative_error=worst.relative_error,
         fix=fix,
-        fix_needs_new_trainer=needs_new,
+        fix_is_advice=bool(fix) and not has_code(fix),
         evidence=evidence,
         windows=measures,
         objective=described,
@@ -122,4 +174,4 @@ def diagnose(
     )
 
 
-__all__ = ["FP32_TOLERANCE", "MIXED_TOLERANCE", "diagnose", "tolerances", "unwrapped_model"]
+__all__ = ["FP32_TOLERANCE", "MIXED_TOLERANCE", "diagnose", "own_loss", "tolerances"]

@@ -1,17 +1,22 @@
 """The reference a captured window is measured against, and the fits that explain it.
 
 The reference of a window is the gradient of the objective the job means over *all* the
-window's examples, on every data-parallel rank, as one batch: for a causal language model
-the token mean over shifted targets (``NextTokenLoss``: ``labels[:, 1:] != -100``), for a
-sequence-level task (one label per example) the example mean (``ExampleLoss``). It is
-computed one recorded microbatch at a time, as the *sum* of that microbatch's losses
-(``G_i``, the gradient of ``loss_sum``), each forward pass replaying the RNG state the
-Trainer's forward pass started from (so dropout draws the same masks), and divided once by
-the window's global count ``N``. By linearity ``Σ G_i / N`` is the gradient of the one-batch
-mean, without padding the microbatches to a common length.
+window's examples, on every data-parallel rank: the sum of each example's loss sum,
+divided once by the window's count ``N``. Each example runs **as its own row**
+(:func:`~accumlab.hf.objectives.example_rows`: no padding, no packing; rows of equal
+length share a forward pass), so a collator whose padding or packing changes what the
+model sees or scores shows as a difference, never as the reference itself. The forward
+passes run under the job's own autocast (the reference shares its precision).
 
-:func:`measure_window` also forms, from the same ``G_i``, the gradients of the weightings a
-wrong job applies (each a *pattern* of per-microbatch weights up to one constant):
+When the job's steps drew random numbers (dropout: its RNG state moved during
+``training_step``), rows cannot replay its masks; the reference then replays each
+collated microbatch with the RNG state it started from, so dropout draws the same masks,
+and the examples' rows are used for their counts only (integers, no forward pass).
+
+From the same backward passes :func:`measure_window` forms the weightings a wrong job
+applies (each a *pattern* of per-microbatch weights up to one constant) and fits each to
+the captured gradient ``g`` by least squares (``g ≈ c · u``), keeping ``c`` and the
+relative residual:
 
 =============  ===============================================================
 pattern        weight of microbatch ``i`` (on rank ``r``)
@@ -22,14 +27,21 @@ pattern        weight of microbatch ``i`` (on rank ``r``)
 ``microbatch`` ``1 / n_i`` (a mean per microbatch)
 =============  ===============================================================
 
-and fits each to the captured gradient ``g`` by least squares (``g ≈ c · u_pattern``),
-keeping the constant ``c`` and the residual. :mod:`accumlab.hf.verdict` reads those fits.
+Memory: the job's gradient is held as its own ``.grad`` tensors (no copy) while the
+reference accumulates into fresh ``.grad`` tensors: one gradient-sized buffer in the
+parameters' dtype beyond a training step's, plus one microbatch's activations (a row
+group is at most a microbatch). Every inner product is taken in float64 a chunk of at
+most 2**20 entries at a time. The microbatch pattern needs a second backward pass per
+microbatch (accumulating the per-microbatch means), run only when the token pattern
+does not explain ``g``; with several ranks each rank's sum is broadcast once into one
+more gradient-sized buffer to form the ranks' inner products.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,77 +49,68 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..objectives import ExampleLoss, NextTokenLoss, Objective
-from .capture import CapturedWindow, flat_gradient
+from ..least_squares import Fit, least_squares_products
+from ..objectives import NextTokenLoss, Objective
+from .capture import CapturedWindow, Microbatch, held_gradient
+from .objectives import (
+    IGNORE_INDEX,
+    Intended,
+    TokenLoss,
+    attention_leak,
+    example_rows,
+    job_targets,
+    packed_rows,
+    scored_after_padding,
+    stack_rows,
+)
 
-IGNORE_INDEX = -100
 PATTERNS = ("token", "rank", "rank_pre", "microbatch")
+CHUNK = 1 << 20
+
+Gradient = Sequence[Tensor | None]
 
 
-def is_causal_lm(model: nn.Module) -> bool:
-    """True when ``model`` is, or wraps at its top, a Hugging Face causal language model.
-
-    Reads class names (``...ForCausalLM``, ``...LMHeadModel``, the Trainer's causal-LM
-    mapping) and ``loss_type`` of the model and of its direct children; an encoder-decoder
-    model is not causal (its labels are not shifted by the loss).
-    """
-    try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    except ImportError:  # pragma: no cover - the mapping moved
-        names = set()
-    for module in [model, *model.children()]:
-        config = getattr(module, "config", None)
-        if getattr(config, "is_encoder_decoder", False):
-            return False
-        cls = type(module).__name__
-        loss_type = getattr(module, "loss_type", None)
-        if cls in names or cls.endswith(("ForCausalLM", "LMHeadModel")):
-            return True
-        if isinstance(loss_type, str) and loss_type.startswith("ForCausalLM"):
-            return True
-    return False
+# -- gradients held as lists of tensors ---------------------------------------------------
 
 
-def intended_objective(model: nn.Module, labels: Tensor) -> tuple[Objective | None, str]:
-    """The objective the job means, from the model and the first microbatch's labels.
-
-    Returns ``(objective, description)``, or ``(None, why not)`` when the audit cannot tell.
-    """
-    if not isinstance(labels, Tensor):
-        return None, f"the batches' labels are a {type(labels).__name__}, not a tensor"
-    if labels.is_floating_point():
-        return None, "the labels are floating point (a regression or soft targets): no token or example mean to compare with"
-    if labels.dim() == 2 and is_causal_lm(model):
-        return NextTokenLoss(IGNORE_INDEX), "token mean of cross-entropy over shifted targets (labels[:, 1:] != -100)"
-    if labels.dim() == 1:
-        return ExampleLoss("cross_entropy"), "example mean of cross-entropy (one class label per example)"
-    return None, (
-        f"labels of shape {tuple(labels.shape)} on a {type(model).__name__} that is not a causal "
-        "language model: the audit knows the objective of causal LMs and of one-label-per-example "
-        "tasks only (pass objective=...)"
-    )
+def _chunks(a: Tensor | None, b: Tensor | None) -> Any:
+    """Aligned float64 chunks of two same-shaped (flattened) tensors; None reads as zeros."""
+    ref = a if a is not None else b
+    if ref is None:
+        return
+    n = ref.numel()
+    fa = a.reshape(-1) if a is not None else None
+    fb = b.reshape(-1) if b is not None else None
+    for s in range(0, n, CHUNK):
+        e = min(n, s + CHUNK)
+        ca = fa[s:e].double() if fa is not None else None
+        cb = fb[s:e].to(ca.device if ca is not None else fb.device).double() if fb is not None else None
+        yield ca, cb
 
 
-def prepared(inputs: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    """``inputs`` with every tensor moved to ``device`` (what ``_prepare_inputs`` does)."""
-    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
+def dot(a: Gradient, b: Gradient) -> float:
+    """``<a, b>`` over every parameter, in float64."""
+    total = 0.0
+    for x, y in zip(a, b, strict=True):
+        for cx, cy in _chunks(x, y):
+            if cx is not None and cy is not None:
+                total += float(torch.dot(cx, cy))
+    return total
 
 
-def pre_shift_count(batch: Mapping[str, Any]) -> int:
-    """Labels that are not -100, before any shift: the count a Trainer that does not know
-    the loss shifts takes."""
-    return int((batch["labels"] != IGNORE_INDEX).sum())
+def distance(a: Gradient, fa: float, b: Gradient, fb: float) -> float:
+    """``‖fa·a − fb·b‖`` over every parameter, in float64 (no cancellation: the difference
+    is formed entry by entry)."""
+    total = 0.0
+    for x, y in zip(a, b, strict=True):
+        for cx, cy in _chunks(x, y):
+            d = (fa * cx if cx is not None else 0.0) - (fb * cy if cy is not None else 0.0)
+            if isinstance(d, Tensor):
+                total += float(d.dot(d))
+    return math.sqrt(total)
 
 
-@dataclass
-class PatternFit:
-    """``g ≈ constant · u`` for one weighting pattern: the constant and the residual
-    ``‖g − constant·u‖ / ‖g‖``."""
-
-    constant: float
-    residual: float
+# -- the measurement ----------------------------------------------------------------------
 
 
 @dataclass
@@ -116,12 +119,22 @@ class WindowMeasure:
 
     ``scale``: least-squares ``a`` in ``g ≈ a · g_ref``; ``relative_error``:
     ``‖g − g_ref‖ / ‖g_ref‖`` over all trainable parameters. ``targets``: the window's
-    count ``N`` under the objective, all ranks; ``counted``: labels not -100 before the
-    shift (``N'``); ``rank_targets``/``rank_counted``: per rank; ``microbatch_targets``: per
-    microbatch, rank by rank; ``microbatches``: on this rank; ``ranks``: D;
-    ``trainer_count``: the ``num_items_in_batch`` the Trainer passed on rank 0 (None when it
-    passed none), ``rank_trainer_counts``: the same rank by rank; ``rank_spread``: the largest ``‖g_r − g‖ / ‖g‖`` over ranks (0 when the sync
-    left every rank the same gradient).
+    count ``N`` of the examples each in its own row, all ranks; ``counted``: labels not
+    -100 before the shift (``N'``); ``job_targets``: the targets the collated microbatches
+    score (more than ``N`` when a padding position predicts a real token, or a target
+    crosses from one packed example into the next); ``padding_targets``: those scored at
+    a padding position; ``packed_rows``: rows holding several examples; ``leak``: how much
+    an example's logits in its packed row differ from its own alone (relative, forward
+    passes without autocast: :func:`~accumlab.hf.objectives.attention_leak`), beyond
+    ``leak_tolerance`` (1e-3 for float32 weights, 3e-2 for half-precision ones) the
+    attention reaches the neighbours;
+    ``rank_targets``/``rank_counted``: per rank; ``microbatch_targets``: per microbatch,
+    rank by rank; ``microbatches``: on this rank; ``ranks``: D; ``trainer_count``: the
+    ``num_items_in_batch`` the Trainer passed on rank 0 (None when it passed none),
+    ``rank_trainer_counts``: the same rank by rank; ``rank_spread``: how far the ranks'
+    gradients differ (relative; 0 when the sync left every rank the same gradient);
+    ``replayed``: the reference replayed the collated microbatches (the job drew random
+    numbers) instead of the examples' own rows.
     """
 
     scale: float
@@ -137,7 +150,13 @@ class WindowMeasure:
     rank_spread: float
     rank_trainer_counts: list[float | None] = field(default_factory=list)
     unit: str = "target"
-    fits: dict[str, PatternFit] = field(default_factory=dict)
+    fits: dict[str, Fit] = field(default_factory=dict)
+    job_targets: int = 0
+    padding_targets: int = 0
+    packed_rows: int = 0
+    leak: float = 0.0
+    leak_tolerance: float = 1e-3
+    replayed: bool = False
 
 
 def _world() -> tuple[int, int]:
@@ -156,131 +175,294 @@ def _all_gather_objects(value: Any) -> list[Any]:
     return gathered
 
 
-def _sum_across_ranks(t: Tensor) -> Tensor:
-    if _world()[1] > 1:
-        # gloo reduces CPU tensors; nccl needs the device: move there and back
-        backend = dist.get_backend()
-        if backend == "nccl":
-            t = t.cuda()
-            dist.all_reduce(t)
-            return t.cpu()
-        dist.all_reduce(t)
-    return t
+def _collective_device(t: Tensor) -> Tensor:
+    return t.cuda() if dist.get_backend() == "nccl" and t.device.type != "cuda" else t
 
 
-def _reference_forward(model: nn.Module, inputs: Mapping[str, Any]) -> Any:
-    """The model's own forward (not an autocast wrapper Accelerate installed) on ``inputs``."""
-    forward = getattr(model, "_original_forward", None) or model.forward
-    return forward(**inputs)
+def prepared(inputs: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """``inputs`` with every tensor moved to ``device`` (what ``_prepare_inputs`` does)."""
+    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
+
+
+def pre_shift_count(batch: Mapping[str, Any]) -> int:
+    """Labels that are not -100, before any shift: the count a Trainer that does not know
+    the loss shifts takes."""
+    return int((batch["labels"] != IGNORE_INDEX).sum())
+
+
+def _model_inputs(model: nn.Module, batch: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """What the reference forward pass gets: the batch without its labels (the objective
+    scores the logits), except that a seq2seq model without decoder inputs gets them made
+    from the labels, as the model itself would."""
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+    if kind == "seq2seq" and "decoder_input_ids" not in inputs:
+        make = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+        if callable(make):
+            inputs["decoder_input_ids"] = make(labels=batch["labels"])
+        else:
+            inputs["labels"] = batch["labels"]
+    return inputs
+
+
+def _collated_labels(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """A collated microbatch's labels in unshifted form (``shift_labels`` put back)."""
+    shifted = batch.get("shift_labels")
+    if isinstance(shifted, Tensor):
+        return {"labels": torch.nn.functional.pad(shifted[:, :-1], (1, 0), value=IGNORE_INDEX)}
+    return {"labels": batch["labels"]}
+
+
+@dataclass
+class _Plan:
+    """What the reference runs for one microbatch, and its counts."""
+
+    passes: list[tuple[dict[str, Any], dict[str, Any]]]  # (model inputs, objective batch)
+    rng: Any
+    targets: int
+    counted: int
+    job_targets: int
+    padding_targets: int
+    packed_rows: int
+
+
+def _plan(mb: Microbatch, intended: Intended, replay: bool, model: nn.Module) -> _Plan:
+    objective, kind = intended.objective, intended.kind
+    batch = mb.inputs
+    shift = kind == "causal"
+    if kind in ("user", "unknown") or objective is None:
+        n = objective.count(batch) if objective is not None else 0
+        return _Plan([(_model_inputs(model, batch, kind), batch)], mb.rng, n, n, n, 0, 0)
+    rows = example_rows(batch, kind)
+    n = sum(objective.count(r) for r in rows)
+    counted = pre_shift_count(batch) if shift else n
+    jt = job_targets(batch, shift) if kind != "example" else n
+    if replay:
+        labelled = {**batch, **_collated_labels(batch)} if shift else batch
+        passes = [(_model_inputs(model, batch, kind), labelled)]
+    else:
+        passes = [(_model_inputs(model, r, kind), r) for r in stack_rows(rows)]
+    return _Plan(passes, mb.rng if replay else None, n, counted, jt,
+                 scored_after_padding(batch, shift), packed_rows(batch))
+
+
+def _backward(model: nn.Module, plan: _Plan, objective: Objective, device: torch.device,
+              context: Callable[[], Any], weight: float) -> None:
+    """Accumulate ``weight`` times the microbatch's reference loss-sum gradient in ``.grad``."""
+    if plan.rng is not None:
+        plan.rng.restore()
+    for inputs, scored in plan.passes:
+        with context():
+            output = model(**prepared(inputs, device))
+        loss = objective.loss_sum(output, prepared(scored, device))
+        (loss * weight if weight != 1.0 else loss).backward()
+        del output, loss
 
 
 def measure_window(
-    model: nn.Module, window: CapturedWindow, objective: Objective, device: torch.device
+    model: nn.Module,
+    window: CapturedWindow,
+    intended: Intended,
+    device: torch.device,
+    context: Callable[[], Any] = contextlib.nullcontext,
 ) -> WindowMeasure:
     """Measure one captured window against its reference (a collective under
     ``torch.distributed``: every rank calls it with its own window, in the same order).
 
-    Runs one forward and backward pass per recorded microbatch on ``model`` (in training
-    mode, the caller restores the mode and ``.grad``); the RNG state is set to each
-    microbatch's recorded one. Returns the same :class:`WindowMeasure` on every rank.
+    Runs the reference forward and backward passes on ``model`` in training mode under
+    ``context()`` (the job's autocast), accumulating into fresh ``.grad`` tensors (the
+    caller holds and restores the old ones). Returns the same :class:`WindowMeasure` on
+    every rank.
     """
     if window.gradient is None:
         raise ValueError("the window was never closed: no gradient was captured")
+    objective = intended.objective
+    if objective is None:
+        raise ValueError("measure_window needs an objective")
     rank, world = _world()
-    batches = [mb.inputs for mb in window.microbatches]
-    local_n = [objective.count(b) for b in batches]
-    local_pre = [pre_shift_count(b) for b in batches] if isinstance(objective, NextTokenLoss) else local_n
+    replay = any(mb.random for mb in window.microbatches)
+    plans = [_plan(mb, intended, replay, model) for mb in window.microbatches]
+    leaks = [attention_leak(model, mb.inputs, intended.kind, device) for mb, p in
+             zip(window.microbatches, plans, strict=True) if p.packed_rows]
+    local_n = [p.targets for p in plans]
     per_rank_n = _all_gather_objects(local_n)
-    per_rank_pre = _all_gather_objects(local_pre)
+    per_rank_pre = _all_gather_objects([p.counted for p in plans])
     rank_targets = [sum(x) for x in per_rank_n]
     rank_counted = [sum(x) for x in per_rank_pre]
     total = sum(rank_targets)
-    n_r, pre_r = rank_targets[rank], rank_counted[rank]
+    if replay:  # the reference scores what the collated microbatches score
+        total = sum(_all_gather_objects(sum(p.job_targets for p in plans)))
+    g, f = window.gradient, window.factor
 
-    numel = window.gradient.numel()
-    u = torch.zeros(len(PATTERNS) + 1, numel, dtype=torch.float64)  # patterns, then g
-    u[-1] = window.gradient
     model.train()
-    for mb, n_i in zip(window.microbatches, local_n, strict=True):
-        model.zero_grad(set_to_none=True)
-        mb.rng.restore()
-        batch = prepared(mb.inputs, device)
-        loss_sum = objective.loss_sum(_reference_forward(model, batch), batch)
-        loss_sum.backward()
-        g_i = flat_gradient(model)
-        u[0] += g_i
-        if n_r:
-            u[1] += g_i / n_r
-        if pre_r:
-            u[2] += g_i / pre_r
-        if n_i:
-            u[3] += g_i / n_i
     model.zero_grad(set_to_none=True)
-    g_local = u[-1].clone()
-    u = _sum_across_ranks(u)
-    g = u[-1] / world  # the ranks' mean: equal to each rank's gradient after a sync
-    spread_local = torch.tensor([float((g_local - g).norm() / g.norm()) if g.norm() > 0 else 0.0])
-    spread = float(_max_across_ranks(spread_local))
+    g_dot_r = []  # <g, R_i>: the job's gradient against each microbatch's reference
+    before = 0.0
+    for p in plans:
+        _backward(model, p, objective, device, context, 1.0)
+        now = dot(g, held_gradient(model))
+        g_dot_r.append(now - before)
+        before = now
+    s_local = held_gradient(model)  # this rank's sum of loss-sum gradients, S_r
+    gg = f * f * dot(g, g)
+    gs_local = f * before
+    ss_local = dot(s_local, s_local)
+    rank_gram = _rank_gram(s_local, ss_local, world, rank)  # <S_r, S_q>
+    gs_ranks = _all_gather_objects(gs_local)
+    ss = float(sum(sum(row) for row in rank_gram))
+    gs = float(sum(gs_ranks))  # <g, S> with S = sum of S_r (g is the same on every synced rank)
+    # the reference is S / N with S summed over ranks; the relative error is formed entry by
+    # entry on this rank against its own S_r when D = 1, otherwise from the inner products
+    if world == 1:
+        error_norm = distance(g, f, s_local, 1.0 / total) if total else math.nan
+    else:
+        error_norm = math.sqrt(max(gg - 2 * gs / total + ss / total**2, 0.0)) if total else math.nan
+    ref_norm = math.sqrt(ss) / total if total else 0.0
+    scale = (gs / total) / ref_norm**2 if ref_norm > 0 else math.nan
+    error = error_norm / ref_norm if ref_norm > 0 else math.nan
 
-    reference = u[0] / total if total else torch.zeros_like(g)
-    ref_sq = float(reference.dot(reference))
-    scale = float(g.dot(reference)) / ref_sq if ref_sq > 0 else math.nan
-    error = float((g - reference).norm()) / math.sqrt(ref_sq) if ref_sq > 0 else math.nan
-    fits = {}
-    g_norm = float(g.norm())
-    for k, name in enumerate(PATTERNS):
-        v = u[k]
-        vv = float(v.dot(v))
-        if vv == 0 or g_norm == 0:
-            continue
-        c = float(g.dot(v)) / vv
-        fits[name] = PatternFit(c, float((g - c * v).norm()) / g_norm)
-    nib = window.microbatches[0].num_items_in_batch if window.microbatches else None
-    own_count = float(nib.float().reshape(-1)[0]) if isinstance(nib, Tensor) else (
-        float(nib) if nib is not None else None
-    )
-    rank_trainer_counts = _all_gather_objects(own_count)
+    g_norm = math.sqrt(gg)
+    fits: dict[str, Fit] = {}  # each pattern u fitted to g: least squares from <g,g>, <g,u>, <u,u>
+    if ss > 0 and g_norm > 0:
+        fits["token"] = least_squares_products(gg, [gs], [[ss]])
+    if world > 1:
+        for name, counts in (("rank", rank_targets), ("rank_pre", rank_counted)):
+            w = [1.0 / c if c else 0.0 for c in counts]
+            uu = sum(w[a] * w[b] * rank_gram[a][b] for a in range(world) for b in range(world))
+            gu = sum(w[a] * gs_ranks[a] for a in range(world))
+            if uu > 0 and g_norm > 0:
+                fits[name] = least_squares_products(gg, [gu], [[uu]])
+    flat_n = [x for r in per_rank_n for x in r]
+    if "token" in fits and len(set(flat_n)) == 1 and flat_n[0]:  # equal counts: the same pattern
+        token = fits["token"]
+        fits["microbatch"] = Fit([token.coefficients[0] * flat_n[0]], token.residual)
+    elif g_norm > 0 and not error <= 1e-4:  # wrong (or rounded): name its weighting
+        fits["microbatch"] = _microbatch_fit(model, plans, objective, device, context, g, f, gg, g_dot_r)
+    model.zero_grad(set_to_none=True)
+    del s_local
+
+    spread = _rank_spread(g, f, world)
+    own = _trainer_count(window)
+    rank_trainer_counts = _all_gather_objects(own)
     return WindowMeasure(
         scale=scale,
         relative_error=error,
-        targets=total,
+        targets=sum(rank_targets),
         counted=sum(rank_counted),
         rank_targets=rank_targets,
         rank_counted=rank_counted,
         microbatch_targets=per_rank_n,
-        microbatches=len(batches),
+        microbatches=len(plans),
         ranks=world,
         trainer_count=rank_trainer_counts[0],
         rank_trainer_counts=rank_trainer_counts,
         unit=getattr(objective, "unit", "unit"),
         rank_spread=spread,
         fits=fits,
+        job_targets=sum(_all_gather_objects(sum(p.job_targets for p in plans))),
+        padding_targets=sum(_all_gather_objects(sum(p.padding_targets for p in plans))),
+        packed_rows=sum(_all_gather_objects(sum(p.packed_rows for p in plans))),
+        leak=max(_all_gather_objects(max(leaks, default=0.0))),
+        leak_tolerance=1e-3 if next(model.parameters()).dtype in (torch.float32, torch.float64) else 3e-2,
+        replayed=replay,
     )
 
 
-def _max_across_ranks(t: Tensor) -> Tensor:
-    if _world()[1] > 1:
-        if dist.get_backend() == "nccl":
-            t = t.cuda()
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return t.cpu()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
+def _microbatch_fit(model: nn.Module, plans: list[_Plan], objective: Objective, device: torch.device,
+                    context: Callable[[], Any], g: Gradient, f: float, gg: float,
+                    g_dot_r: list[float]) -> Fit:
+    """The per-microbatch-mean pattern ``Σ_i R_i / n_i`` (over every rank): a second
+    backward pass per microbatch accumulates it in ``.grad``."""
+    model.zero_grad(set_to_none=True)
+    for p in plans:
+        if p.targets:
+            _backward(model, p, objective, device, context, 1.0 / p.targets)
+    u_local = held_gradient(model)
+    world = _world()[1]
+    if world > 1:
+        u_local = [t.clone() if t is not None else None for t in u_local]
+        for t in u_local:
+            if t is not None:
+                dist.all_reduce(_collective_device(t))
+    uu = dot(u_local, u_local)
+    gu_local = f * sum(x / p.targets for x, p in zip(g_dot_r, plans, strict=True) if p.targets)
+    gu = float(sum(_all_gather_objects(gu_local)))
+    del u_local
+    if uu <= 0:
+        return Fit([math.nan], 1.0)
+    return least_squares_products(gg, [gu], [[uu]])
 
 
-def same_on_every_rank(values: Sequence[int]) -> bool:
+def _rank_gram(s_local: Gradient, ss_local: float, world: int, rank: int) -> list[list[float]]:
+    """``<S_r, S_q>`` for every pair of ranks: each rank's sum broadcast once into one
+    buffer, dotted with every rank's own."""
+    if world == 1:
+        return [[ss_local]]
+    gram = [[0.0] * world for _ in range(world)]
+    for q in range(world):
+        received = []
+        for t in s_local:
+            if t is None:
+                received.append(None)
+                continue
+            buf = _collective_device(t.detach().clone() if rank == q else torch.empty_like(t))
+            dist.broadcast(buf, q)
+            received.append(buf)
+        row = _all_gather_objects(dot(s_local, received))
+        for r in range(world):
+            gram[r][q] = row[r]
+        del received
+    return gram
+
+
+def _rank_spread(g: Gradient, f: float, world: int) -> float:
+    """How far the ranks' gradients differ, relative: compared through two numbers per
+    rank (the squared norm and the inner product with a fixed pseudo-random direction)."""
+    if world == 1:
+        return 0.0
+    gen = torch.Generator().manual_seed(1234)
+    probe = 0.0
+    for t in g:
+        if t is None:
+            continue
+        direction = torch.randn(t.numel(), generator=gen, dtype=torch.float64)
+        probe += float(torch.dot(t.reshape(-1).double().cpu(), direction))
+    norm2 = f * f * dot(g, g)
+    values = _all_gather_objects((f * probe, norm2))
+    scale = math.sqrt(max(v[1] for v in values)) or 1.0
+    probes = [v[0] for v in values]
+    norms = [math.sqrt(v[1]) for v in values]
+    return max((max(probes) - min(probes)) / scale, (max(norms) - min(norms)) / scale)
+
+
+def _trainer_count(window: CapturedWindow) -> float | None:
+    nib = window.microbatches[0].num_items_in_batch if window.microbatches else None
+    if isinstance(nib, Tensor):
+        return float(nib.float().reshape(-1)[0])
+    return float(nib) if nib is not None else None
+
+
+def same_on_every_rank(values: Sequence[Any]) -> bool:
     """True when every entry of ``values`` is equal (e.g. every rank's target count)."""
     return len(set(values)) <= 1
 
 
+def user_intended(objective: Objective) -> Intended:
+    """An :class:`Intended` for an objective the caller passed: its kind when the audit
+    knows it (a next-token loss is cut into rows like a causal LM), else ``user``."""
+    if isinstance(objective, NextTokenLoss) and objective.ignore_index == IGNORE_INDEX:
+        return Intended(TokenLoss(shift=True), "causal", f"{objective!r}: token mean over shifted targets")
+    if isinstance(objective, TokenLoss):
+        return Intended(objective, "causal" if objective.shift else "token", f"{objective!r}")
+    return Intended(objective, "user", f"{objective!r}: sum of its loss over the window's examples / its count")
+
+
 __all__ = [
-    "IGNORE_INDEX",
     "PATTERNS",
-    "PatternFit",
     "WindowMeasure",
-    "intended_objective",
-    "is_causal_lm",
+    "dot",
+    "distance",
     "measure_window",
     "pre_shift_count",
     "same_on_every_rank",
+    "user_intended",
 ]

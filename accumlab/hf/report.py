@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 import textwrap
 from dataclasses import dataclass, field
+from typing import Any
 
+from .invariance import Invariance
 from .reference import WindowMeasure
-from .verdict import CAUSES
+from .verdict import CAUSES, TRAINER_MISTAKES
 
 #: Said in every report: what the audit does not look at.
 TRAINER_NOT_CHECKED = (
@@ -28,8 +30,9 @@ class TrainerAuditReport:
     behind each. ``scale``: least-squares ``a`` in ``g ≈ a·g_ref`` (1 when right);
     ``relative_error``: ``‖g − g_ref‖ / ‖g_ref‖`` over all trainable parameters (both from the
     window with the largest error). ``fix``: Python to paste (empty when ok);
-    ``fix_needs_new_trainer``: the fix must run before the Trainer is built (its first line
-    says so). ``windows``: per-window measurements. ``objective``: the reference objective.
+    ``fix_is_advice``: the fix says what to change in comments only (a loss the audit
+    cannot write for you), no code to paste. ``invariance``: the split-invariance
+    results when the objective is not one the audit knows. ``windows``: per-window measurements. ``objective``: the reference objective.
     ``notes``: what this data cannot tell apart from a correct job, and how the run was
     set up. ``not_checked``: what the audit does not look at.
     """
@@ -40,7 +43,7 @@ class TrainerAuditReport:
     scale: float = math.nan
     relative_error: float = math.nan
     fix: str = ""
-    fix_needs_new_trainer: bool = False
+    fix_is_advice: bool = False
     evidence: dict[str, str] = field(default_factory=dict)
     windows: list[WindowMeasure] = field(default_factory=list)
     objective: str = ""
@@ -48,11 +51,45 @@ class TrainerAuditReport:
     reason: str = ""
     notes: list[str] = field(default_factory=list)
     not_checked: str = TRAINER_NOT_CHECKED
+    unknown_objective: bool = False
+    invariance: list[Invariance] = field(default_factory=list)
 
     @classmethod
-    def unchecked(cls, reason: str, notes: list[str] | None = None) -> TrainerAuditReport:
+    def unchecked(cls, reason: str, notes: list[str] | None = None, *,
+                  unknown_objective: bool = False) -> TrainerAuditReport:
         """A report for a job the audit could not measure: never ok."""
-        return cls(ok=False, checked=False, reason=reason, notes=list(notes or []))
+        return cls(ok=False, checked=False, reason=reason, notes=list(notes or []),
+                   unknown_objective=unknown_objective)
+
+    @classmethod
+    def from_invariance(cls, results: list[Invariance], why: str, tolerance: float, trainer: Any,
+                        model: Any) -> TrainerAuditReport:
+        """The report of a split-invariance check (see :mod:`accumlab.hf.invariance`)."""
+        from .fixes import has_code, invariance_fix
+
+        why = why.rstrip(".")
+        unable = [r.reason for r in results if r.reason]
+        if unable or not results:
+            reason = unable[0] if unable else "no window was trained"
+            return cls.unchecked(f"{why}; split invariance: {reason}", unknown_objective=True)
+        mistakes: list[str] = []
+        evidence: dict[str, str] = {}
+        for r in results:
+            for name in r.mistakes:
+                if name not in evidence:
+                    mistakes.append(name)
+                    evidence[name] = r.evidence[name]
+        mistakes = [name for name in TRAINER_MISTAKES if name in evidence]
+        splits = [s for r in results for s in r.splits]
+        worst = max(splits, key=lambda s: -1.0 if math.isnan(s.relative_error) else s.relative_error)
+        fix = invariance_fix(mistakes, trainer, model, why)
+        notes = [f"split {skip}: not compared" for r in results for skip in (r.skipped or [])]
+        return cls(
+            ok=not mistakes, checked=True, mistakes=mistakes, scale=worst.factor,
+            relative_error=worst.relative_error, fix=fix, fix_is_advice=bool(fix) and not has_code(fix),
+            evidence=evidence, objective=f"{why}: checked by split invariance",
+            tolerance=tolerance, invariance=results, not_checked=INVARIANCE_NOT_CHECKED, notes=notes,
+        )
 
     def __str__(self) -> str:
         """The verdict, measured numbers, causes, fix and what was not checked; prose lines
@@ -64,7 +101,16 @@ class TrainerAuditReport:
             return "\n".join(lines)
         verdict = "ok" if self.ok else "WRONG: " + ", ".join(self.mistakes)
         lines = [f"accumulation audit: {verdict}"]
-        lines += _wrap(f"  reference: {self.objective}", "    ")
+        lines += _wrap(f"  {'objective' if self.invariance else 'reference'}: {self.objective}", "    ")
+        for i, r in enumerate(self.invariance):
+            for sp in r.splits:
+                lines += _wrap(
+                    f"  window {i}: the same {r.micro_batch_size * r.accumulation_steps} examples at "
+                    f"(m, A) = ({r.micro_batch_size}, {r.accumulation_steps}) give {sp.factor:.4f} x the "
+                    f"gradient at ({sp.micro_batch_size}, {sp.accumulation_steps}), relative error "
+                    f"{sp.relative_error:.1e}",
+                    "    ",
+                )
         for i, w in enumerate(self.windows):
             counts = _counts(w.rank_trainer_counts or [w.trainer_count])
             lines += _wrap(
@@ -77,13 +123,21 @@ class TrainerAuditReport:
             lines += _wrap(f"  cause {name}: {CAUSES[name]}", "    ")
             lines += _wrap(f"    measured: {self.evidence[name]}", "      ")
         if self.fix:
-            lines.append("  fix (paste; then run the audit again):")
+            lines.append("  fix (what to change; then run the audit again):" if self.fix_is_advice
+                         else "  fix (paste; then run the audit again):")
             lines += ["    " + line if line else "" for line in self.fix.rstrip("\n").split("\n")]
         for n in self.notes:
             lines += _wrap(f"  note: {n}", "    ")
         lines += _wrap(f"  not checked: {self.not_checked}", "    ")
         return "\n".join(lines)
 
+
+#: Said in a split-invariance report: what that check does not look at.
+INVARIANCE_NOT_CHECKED = (
+    "the objective's definition (a loss wrong the same way at every split passes), splits "
+    "other than the ones listed, clipping, the optimizer, the schedule and loss scaling; "
+    "windows after the audited ones"
+)
 
 #: The widest prose line ``str(report)`` prints.
 WIDTH = 100
@@ -103,4 +157,4 @@ def _counts(counts: list[float | None]) -> str:
     return shown[0] if len(set(shown)) == 1 else " | ".join(shown) + " by rank"
 
 
-__all__ = ["TRAINER_NOT_CHECKED", "TrainerAuditReport"]
+__all__ = ["INVARIANCE_NOT_CHECKED", "TRAINER_NOT_CHECKED", "TrainerAuditReport"]

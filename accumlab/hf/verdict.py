@@ -1,9 +1,9 @@
 """From a window's measurements to named causes, with the evidence for each.
 
-The vocabulary extends :data:`accumlab.checks.MISTAKES` (``double_division``,
-``average_of_averages``, ``count_before_shift``, ``ignored_tokens_counted``) with names for what only a framework
-job shows: ``scored_targets_missed``, ``num_items_ignored``, ``per_rank_mean``,
-``no_division``, ``wrong_normalization``, ``not_token_mean`` and ``ranks_disagree``.
+The names are the Trainer audit's rows of the one table both audits share,
+:data:`accumlab.mistakes.MISTAKES` (cause, symptom, fix); the loop audit names some of the
+same mistakes (``double_division``, ``average_of_averages``, ``count_before_shift``,
+``ignored_tokens_counted``).
 
 :func:`name_causes` reads the pattern fits of :class:`~accumlab.hf.reference.WindowMeasure`:
 the pattern whose residual is within ``match`` explains the *structure* of the captured
@@ -14,63 +14,18 @@ relative tolerance ``match`` too.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from ..checks import MISTAKES as LOOP_MISTAKES
+from ..mistakes import MISTAKES, reported_by
 from .reference import WindowMeasure, same_on_every_rank
 
-#: Every name ``TrainerAuditReport.mistakes`` can hold, in the order they are reported.
-TRAINER_MISTAKES: tuple[str, ...] = (
-    "count_before_shift",
-    "ignored_tokens_counted",
-    "scored_targets_missed",
-    "num_items_ignored",
-    "average_of_averages",
-    "per_rank_mean",
-    "double_division",
-    "no_division",
-    "wrong_normalization",
-    "not_token_mean",
-    "ranks_disagree",
-)
-assert {
-    "count_before_shift", "ignored_tokens_counted", "average_of_averages", "double_division"
-} <= set(LOOP_MISTAKES)
+#: Every name ``TrainerAuditReport.mistakes`` can hold, in the order they are reported:
+#: the Trainer audit's names of the shared table :data:`accumlab.mistakes.MISTAKES`.
+TRAINER_MISTAKES: tuple[str, ...] = reported_by("trainer")
 
-#: What each name means, in one sentence a person reads.
-CAUSES: dict[str, str] = {
-    "count_before_shift": (
-        "the loss is divided by a count that includes labels the loss never scores: "
-        "num_items_in_batch counted over the labels before the causal shift, so each row's "
-        "first label (never predicted) is counted"
-    ),
-    "ignored_tokens_counted": (
-        "the loss is divided by a count that includes labels the loss never scores"
-    ),
-    "scored_targets_missed": "the loss is divided by a count that misses targets the loss scores",
-    "num_items_ignored": (
-        "the model accepts num_items_in_batch but ignores it and returns its own mean per "
-        "microbatch, and the Trainer, trusting it, no longer divides by the accumulation "
-        "steps: the gradient is about A times too large and weights targets by their "
-        "microbatch"
-    ),
-    "average_of_averages": (
-        "each microbatch's loss is its own mean, divided by the accumulation steps: a target "
-        "in a short microbatch weighs more than one in a long microbatch"
-    ),
-    "per_rank_mean": (
-        "each data-parallel rank divides by its own target count and the ranks' gradients "
-        "are averaged: a target on a rank with fewer targets weighs more"
-    ),
-    "double_division": "the loss is divided twice: by the window's count and again (by A or by a count)",
-    "no_division": "the loss sums are never divided by the window's count",
-    "wrong_normalization": "every target weighs the same, but the loss is divided by a count the audit cannot name",
-    "not_token_mean": (
-        "the gradient is no weighting of the objective's per-microbatch gradients: the loss "
-        "is not the audited mean (label smoothing, a custom weighting, a different loss)"
-    ),
-    "ranks_disagree": "the data-parallel ranks hold different gradients after the sync",
-}
+#: What each name means, in one sentence a person reads (the shared table's cause).
+CAUSES: dict[str, str] = {name: MISTAKES[name].cause for name in TRAINER_MISTAKES}
 
 
 @dataclass
@@ -100,7 +55,12 @@ def name_causes(m: WindowMeasure, *, ok_tol: float, match: float) -> Finding:
             f"rank gradients differ from their mean by up to {m.rank_spread:.2e} (relative): "
             "the model is not synchronised across ranks (is it wrapped in DDP?)"
         )
-    if m.relative_error <= ok_tol:
+        return _ordered(found)  # each rank measures its own gradient: nothing else is common
+    found.update(_collation_facts(m, ok_tol))
+    token = m.fits.get("token")
+    if m.relative_error <= ok_tol and (token is None or _nearest(m, token.coefficients[0], match) is None):
+        return _ordered(found)
+    if found.keys() - {"ranks_disagree"}:
         return _ordered(found)
     fits = {k: f for k, f in m.fits.items() if f.residual <= match}
     if m.ranks == 1:  # a per-rank mean is the per-target pattern itself
@@ -108,13 +68,13 @@ def name_causes(m: WindowMeasure, *, ok_tol: float, match: float) -> Finding:
     namers = {"token": _token, "rank": _rank, "rank_pre": _rank, "microbatch": _microbatch}
     for pattern in ("token", "rank", "rank_pre", "microbatch"):
         if pattern in fits:
-            named = namers[pattern](m, pattern, fits[pattern].constant, match)
+            named = namers[pattern](m, pattern, fits[pattern].coefficients[0], match)
             if named:
                 found.update(named)
                 return _ordered(found)
     if "token" in fits:
         found["wrong_normalization"] = (
-            f"every {m.unit} weighs the same but the divisor is {1.0 / fits['token'].constant:.4g}, "
+            f"every {m.unit} weighs the same but the divisor is {1.0 / fits['token'].coefficients[0]:.4g}, "
             f"not the {m.targets} {m.unit}s"
         )
     else:
@@ -127,12 +87,66 @@ def name_causes(m: WindowMeasure, *, ok_tol: float, match: float) -> Finding:
     return _ordered(found)
 
 
+def _collation_facts(m: WindowMeasure, ok_tol: float) -> dict[str, str]:
+    """What the collated microbatches do that the examples do not: integer facts (targets
+    scored at a padding position or across examples), and packed rows whose gradient
+    differs from the examples' own."""
+    found = {}
+    crossing = m.job_targets - m.padding_targets - m.targets
+    if m.padding_targets and m.job_targets > m.targets:
+        found["pad_predicts_target"] = (
+            f"the collated microbatches score {m.job_targets} {m.unit}s where the examples, each "
+            f"in its own row, have {m.targets}: {m.padding_targets} are predicted from a padding "
+            f"position; measured scale {m.scale:.4f}, relative error {m.relative_error:.2e}"
+        )
+    if m.packed_rows and (crossing > 0 or m.leak > m.leak_tolerance):
+        across = f"{crossing} targets cross from one example into the next; " if crossing > 0 else ""
+        leak = (f"an example's logits in its packed row differ from its own alone by up to "
+                f"{m.leak:.1e} (relative); " if m.leak > m.leak_tolerance else "")
+        found["attention_crosses_examples"] = (
+            f"{m.packed_rows} rows hold several examples; {across}{leak}the gradient is "
+            f"{m.scale:.4f} x the examples' own, each in its own row, relative error "
+            f"{m.relative_error:.2e}"
+        )
+    return found
+
+
+def _candidates(m: WindowMeasure) -> list[tuple[float, str | None]]:
+    """Divisors a job's token pattern may carry, with the name each stands for (None: the
+    window's count, the right one)."""
+    a, d, n, n_pre = m.microbatches, m.ranks, m.targets, m.counted
+    out: list[tuple[float, str | None]] = [(float(n), None)]
+    if n_pre != n:
+        out += [(float(n_pre), "count_before_shift"), (float(a * n_pre), "double_division")]
+    out += [(float(a * n), "double_division"), (1.0, "no_division"), (float(d), "no_division")]
+    count = m.trainer_count if same_on_every_rank(m.rank_trainer_counts) else None
+    if count is not None and count != n:
+        out.append((count, "scored_targets_missed" if count < n else "ignored_tokens_counted"))
+    return out
+
+
+def _nearest(m: WindowMeasure, constant: float, match: float) -> str | None:
+    """The name of the candidate divisor nearest ``1 / constant`` (None for the window's
+    own count, or when none is within ``match``, relative): counts are integers, so the
+    nearest one is named whatever the precision's rounding."""
+    if not constant > 0:
+        return "wrong_normalization"
+    divisor = 1.0 / constant
+    ranked = sorted(_candidates(m), key=lambda c: abs(math.log(divisor / c[0])) if c[0] > 0 else math.inf)
+    value, name = ranked[0]
+    if abs(divisor / value - 1.0) > match:
+        return "wrong_normalization"
+    return name
+
+
 def _token(m: WindowMeasure, pattern: str, constant: float, match: float) -> dict[str, str]:
     """Every target weighs the same: name the divisor (empty when it is unknown)."""
     a, d, n, n_pre, unit = m.microbatches, m.ranks, m.targets, m.counted, m.unit
     divisor = 1.0 / constant
     count = m.trainer_count if same_on_every_rank(m.rank_trainer_counts) else None
-    if _near(divisor, n_pre, match) and n_pre != n:
+    if _nearest(m, constant, match) is None:
+        return {}
+    if _near(divisor, n_pre, match) and n_pre != n and _nearest(m, constant, match) == "count_before_shift":
         return {"count_before_shift": (
             f"the gradient is the correct one times {n / n_pre:.4f} = {n}/{n_pre}: "
             f"divided by {n_pre} counted labels where {n} {unit}s are scored"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from accumlab.least_squares import Fit, least_squares
+from accumlab.least_squares import Fit, least_squares, least_squares_products
 
 
 def _vectors():
@@ -57,3 +57,23 @@ def test_bad_arguments_are_named():
         least_squares([1.0, 2.0], [a])
     with pytest.raises(ValueError, match=r"columns\[1\] must be a tensor of the target's shape"):
         least_squares(a, [a, a[:3]])
+
+
+def test_the_fit_from_inner_products_gives_the_same_answers():
+    """least_squares_products (the Trainer audit's form: a model's gradient is too large to
+    stack) gives the answers above from <t, t>, <t, c_j> and <c_i, c_j> alone."""
+    a, b, e = _vectors()
+    target = a + 0.5 * b + e  # <t, t> = 10.5, <t, a> = 5, <t, b> = 1, <a, a> = 5, <b, b> = 2
+    fit = least_squares_products(10.5, [5.0, 1.0], [[5.0, 0.0], [0.0, 2.0]])
+    assert fit.coefficients == pytest.approx([1.0, 0.5], abs=1e-12)
+    assert fit.residual == pytest.approx((5 / 10.5) ** 0.5, rel=1e-12)
+    one = least_squares_products(10.5, [5.0], [[5.0]])
+    assert one.coefficients == pytest.approx([1.0]) and one.residual == pytest.approx((5.5 / 10.5) ** 0.5)
+    assert least_squares_products(10.5, [0.0], [[0.0]]) == Fit([0.0], 1.0)  # a zero column
+    assert least_squares_products(0.0, [0.0], [[5.0]]) == Fit([0.0], 0.0)  # a zero target
+    assert least_squares_products(5.0, [], []) == Fit([], 1.0)
+    dependent = least_squares_products(20.0, [10.0, 10.0], [[5.0, 5.0], [5.0, 5.0]])  # 2a on [a, a]
+    assert dependent.coefficients == pytest.approx([1.0, 1.0], abs=1e-12) and dependent.residual < 1e-7
+    assert least_squares(target, [a]).coefficients == pytest.approx(one.coefficients, abs=1e-15)
+    with pytest.raises(ValueError, match="gram must be 2 x 2"):
+        least_squares_products(1.0, [1.0, 2.0], [[1.0]])

@@ -1,11 +1,16 @@
-"""The checkpoint layer (atomic files, the newest complete checkpoint, refusals, RNG
-states), the ledger as plain data, and the run record that comes from the run."""
+"""The checkpoint layer (atomic files, what a full disk leaves, the newest complete
+checkpoint, refusals, RNG states), the ledger as plain data, and the run record that
+comes from the run."""
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import math
+import os
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +20,29 @@ from helpers import resume_workers as workers  # tests/helpers/resume_workers.py
 
 import accumlab as al
 from accumlab import checkpoint
-from accumlab.ledger import Ledger, RunRecord, UpdateReport
+from accumlab.ledger import Ledger
+from accumlab.record import RunRecord
+from accumlab.report import UpdateReport
+from accumlab.settings import TrainSettings
 
 
-def report(index: int, applied: bool = True, loss: float = 1.5, grad_norm: float = 2.0) -> UpdateReport:
+def report(
+    index: int, applied: bool = True, loss: float = 1.5, grad_norm: float = 2.0
+) -> UpdateReport:
     return UpdateReport(
-        index=index, applied=applied, examples=4, targets=40, global_targets=40, microbatches=2,
-        backward_passes=2, loss=loss, loss_sum=loss * 40, grad_norm=grad_norm, lr=1e-3 * (index + 1),
+        index=index,
+        applied=applied,
+        examples=4,
+        targets=40,
+        global_targets=40,
+        microbatches=2,
+        backward_passes=2,
+        loss=loss,
+        loss_sum=loss * 40,
+        grad_norm=grad_norm,
+        lr=1e-3 * (index + 1),
         skipped_reason=None if applied else "non-finite gradient",
-    )  # fmt: skip
+    )
 
 
 def sample_ledger() -> Ledger:
@@ -121,14 +140,18 @@ def test_save_is_atomic_keeps_the_newest_two_and_ignores_leftovers(tmp_path: Pat
         checkpoint.save_checkpoint({"format": checkpoint.FORMAT, "n": attempts}, tmp_path, attempts)
     assert checkpoint.list_checkpoints(tmp_path) == [3, 2]
     # A write killed midway leaves a temporary file: never listed, removed by the next write.
-    leftover = tmp_path / ".checkpoint-checkpoint-00000004-rank0.abc.tmp"
+    leftover = tmp_path / ".checkpoint-00000004-rank0.pt.abc.tmp"
+    other_rank = tmp_path / ".checkpoint-00000004-rank1.pt.abc.tmp"  # not this rank's to remove
+    other_rank.write_bytes(b"")
     leftover.write_bytes(b"half a checkpoint")
     assert checkpoint.list_checkpoints(tmp_path) == [3, 2]
     checkpoint.save_checkpoint({"format": checkpoint.FORMAT, "n": 4}, tmp_path, 4)
     assert not leftover.exists()
+    other_rank.unlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "checkpoint-00000003-rank0.pt", "checkpoint-00000004-rank0.pt",
-    ]  # fmt: skip
+        "checkpoint-00000003-rank0.pt",
+        "checkpoint-00000004-rank0.pt",
+    ]
     assert checkpoint.load_checkpoint(checkpoint.checkpoint_path(tmp_path, 4))["n"] == 4
 
 
@@ -141,13 +164,79 @@ def test_a_failed_write_leaves_the_previous_checkpoint_intact(tmp_path: Path) ->
     assert checkpoint.newest_common(tmp_path) == 1
 
 
+class FullDisk(io.RawIOBase):
+    """A file on a disk with ``room`` bytes left: a write past it raises ENOSPC, as the
+    kernel does (a part first, then the error)."""
+
+    def __init__(self, fd: int, room: int) -> None:
+        self.file, self.room = io.FileIO(fd, "wb"), room
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written = self.file.write(bytes(data)[: self.room])
+        self.room -= written
+        return written
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
+
+
+def test_a_full_disk_during_a_write_names_the_file_and_keeps_the_older_ones(tmp_path, monkeypatch):
+    """torch.save reports a failed write as "[enforce fail at inline_container.cc] ...
+    unexpected pos"; the checkpoint layer says what happened, naming the file."""
+    import accumlab.atomic_write
+
+    state = {"format": checkpoint.FORMAT, "w": torch.arange(10_000.0)}
+    checkpoint.save_checkpoint(state, tmp_path, 1)
+    size = checkpoint.checkpoint_path(tmp_path, 1).stat().st_size
+    for room in (0, 100, size // 2, size - 1):
+        monkeypatch.setattr(accumlab.atomic_write.os, "fdopen",
+                            lambda fd, *a, room=room, **k: FullDisk(fd, room))
+        with pytest.raises(OSError) as info:
+            checkpoint.save_checkpoint(state, tmp_path, 2)
+        monkeypatch.undo()
+        assert info.value.errno == errno.ENOSPC
+        assert str(info.value) == (
+            f"[Errno {errno.ENOSPC}] cannot write {checkpoint.checkpoint_path(tmp_path, 2)}: No space "
+            "left on device; the checkpoints written before it are intact"
+        )
+        assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-00000001-rank0.pt"]  # no temp
+        assert torch.equal(checkpoint.load_checkpoint(checkpoint.checkpoint_path(tmp_path, 1))["w"], state["w"])
+
+
+def test_a_write_keeps_a_replaced_files_mode_and_never_replaces_a_link(tmp_path):
+    from accumlab.atomic_write import NotARegularFileError, write_atomically
+
+    target = tmp_path / "data.bin"
+    target.write_bytes(b"old")
+    target.chmod(0o600)
+    write_atomically(target, b"new")
+    assert target.read_bytes() == b"new" and target.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(FileExistsError):
+        write_atomically(target, b"newer", overwrite=False)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(NotARegularFileError, match="is a symlink, not a regular file; it was left alone"):
+        write_atomically(link, lambda f: f.write(b"through the link"))
+    assert link.is_symlink() and target.read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.bin", "link"]  # no temp left
+
+
 def test_load_is_weights_only(tmp_path: Path) -> None:
     path = checkpoint.checkpoint_path(tmp_path, 1)
     torch.save({"format": checkpoint.FORMAT, "object": Path("x")}, path)  # not plain data
     with pytest.raises(Exception, match="Weights only load failed"):
         checkpoint.load_checkpoint(path)
-    torch.save({"format": 99}, path)
-    with pytest.raises(checkpoint.CorruptCheckpointError, match=f"not an accumlab checkpoint of format {checkpoint.FORMAT} .found 99"):
+    torch.save({"weights": torch.ones(2)}, path)
+    with pytest.raises(checkpoint.CorruptCheckpointError, match=f"not an accumlab checkpoint of format {checkpoint.FORMAT} .found None"):
         checkpoint.load_checkpoint(path)
 
 
@@ -171,10 +260,8 @@ def test_rng_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
 def test_check_compatible_names_every_difference() -> None:
     config = workers.Config()
     run = workers.build(config)
-    ckpt = checkpoint.Checkpointer(
-        None, None, False, model=run["model"], optimizer=run["optimizer"], scheduler=run["scheduler"],
-        scaler=None, plan=run["plan"], precision="fp32", batches=run["data"],
-    )  # fmt: skip
+    settings = TrainSettings(scheduler=run["scheduler"])
+    ckpt = checkpoint.Checkpointer(settings, run["model"], run["optimizer"], None, run["plan"], run["data"])
     state = ckpt.state()
     state["world_size"] = 2
     other = workers.build(workers.Config(n_embd=8))
@@ -187,6 +274,20 @@ def test_check_compatible_names_every_difference() -> None:
     assert "world size: 2 in the checkpoint, 1 now" in message
     assert "model: tok_emb.weight '[32, 16] torch.float32' in the checkpoint, '[32, 8]" in message
     assert "model: and " in message  # more than five model differences are summarised
+
+
+def test_the_package_docstring_describes_every_entry_of_a_checkpoint(tmp_path: Path) -> None:
+    """``accumlab.checkpoint``'s docstring is the one description of a checkpoint's
+    contents: every entry a written checkpoint holds is named there, and no entry it no
+    longer holds."""
+    config = workers.Config()
+    workers.train(workers.build(config), config, max_updates=1, checkpoint_dir=tmp_path)
+    state = checkpoint.load_checkpoint(checkpoint.checkpoint_path(tmp_path, 1))
+    entries = {*state, "sha256", *state["data"], *state["data_history"]}
+    described = set(re.findall(r"``(\w+)``", checkpoint.__doc__.split("The package is cut by idea")[0]))
+    assert entries <= described, f"not described: {sorted(entries - described)}"
+    other_words = {"None", "random", "train", *checkpoint.RESUMED_SETTINGS}  # not entries
+    assert described - entries <= other_words, sorted(described - entries - other_words)
 
 
 def _refusal(state: dict[str, Any], **kwargs: Any) -> str:

@@ -1,7 +1,8 @@
-"""A run owns its checkpoint directory: the lock is taken before
-anything is written, a second run is refused at once naming the holder, a lock left by a
-dead process is taken over with a warning, and the CLI's settings file is written only by
-the run that holds the lock.
+"""A run owns its checkpoint directory: the lock is taken before anything is written, a
+second run is refused at once naming the holder, a lock left by a dead process (or a
+corrupt one) is taken over with a warning naming the file, and a lock file deleted while
+its run lives stops that run at its next checkpoint write, its release leaving alone the
+lock another run took since.
 
 The concurrency tests fork real processes (``multiprocessing`` "fork": each child is a
 separate process with its own pid and open files, so the kernel's ``flock`` rules are the
@@ -68,12 +69,12 @@ def test_a_second_process_is_refused_at_once_naming_the_holder(tmp_path: Path) -
         pass
 
 
-def test_another_thread_of_the_process_is_refused_and_the_same_thread_may_nest(tmp_path: Path) -> None:
+def test_another_train_call_of_the_process_is_refused(tmp_path: Path) -> None:
+    """Another thread, or the same one taking it again (a train() called from on_update)."""
     errors: list[BaseException] = []
     with checkpoint.DirectoryLock(tmp_path):
-        with checkpoint.DirectoryLock(tmp_path):  # `accumlab train` takes it, then train() does
-            pass
-        assert (tmp_path / LOCK).exists()  # still held by the outer one
+        with pytest.raises(checkpoint.CheckpointDirectoryInUseError, match="another train.. call of this process"):
+            checkpoint.DirectoryLock(tmp_path).acquire()
 
         def other() -> None:
             try:
@@ -84,7 +85,8 @@ def test_another_thread_of_the_process_is_refused_and_the_same_thread_may_nest(t
         thread = threading.Thread(target=other)
         thread.start()
         thread.join()
-    assert len(errors) == 1 and "another thread of this process" in str(errors[0])
+        assert (tmp_path / LOCK).exists()  # still held: the refused ones took nothing
+    assert len(errors) == 1 and "another train() call of this process" in str(errors[0])
     assert not (tmp_path / LOCK).exists()
 
 
@@ -284,8 +286,8 @@ def test_two_cli_runs_into_one_directory_one_is_refused_the_other_intact(
     """20 pairs of `accumlab train` (cli.main in its own process) with different --lr into
     one directory, the second at a random offset within 1.2 times one run's duration: one
     exits 1 naming the holder (or 2: the directory already holds checkpoints, when it
-    started after the first ended), the other's checkpoints and settings file are its
-    own, and its own resume is accepted."""
+    started after the first ended), the other's checkpoints are its own (its learning
+    rate), and its own resume is accepted."""
     rng = random.Random(2025)
     by_lock = 0
     for repetition in range(20):
@@ -300,11 +302,9 @@ def test_two_cli_runs_into_one_directory_one_is_refused_the_other_intact(
         winner_lr = 1e-3 if first[0] == 0 else 2e-3
         newest = _assert_intact(directory, CLI_UPDATES)
         assert newest["settings"]["hyperparameters"][0]["lr"] == winner_lr
-        settings = json.loads((directory / cli.SETTINGS_FILE).read_text())
-        assert settings["--lr"] == winner_lr  # written by the lock holder only
     print(f"cli: {by_lock} of 20 refused by the lock (a run took {warm['cli']:.2f} s)")
     assert by_lock >= 5
-    # The winner's own resume is accepted (its settings file was not overwritten).
+    # The winner's own resume is accepted.
     code = cli.main(["train", "--updates", str(CLI_UPDATES + 1), "--micro", "2", "--steps", "2",
                      "--examples", "16", "--lr", str(winner_lr), "--checkpoint-dir", str(directory),
                      "--checkpoint-every", "1", "--quiet", "--resume"])  # fmt: skip
@@ -325,7 +325,7 @@ def test_the_cli_names_the_holder_in_one_line(tmp_path: Path, capsys: pytest.Cap
     err = capsys.readouterr().err
     assert code == 1
     assert err.count("\n") == 1 and f"--checkpoint-dir {tmp_path / 'ckpt'} is in use by another run: process {holder.pid}" in err
-    assert not (tmp_path / "ckpt" / cli.SETTINGS_FILE).exists()
+    assert checkpoint.list_checkpoints(tmp_path / "ckpt") == []  # nothing written
 
 
 def test_train_lets_the_directory_go_however_it_ends(tmp_path: Path) -> None:
@@ -349,4 +349,123 @@ def test_an_empty_lock_file_nobody_holds_is_taken_over(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="left by a process that has not written its name yet"):
         with checkpoint.DirectoryLock(tmp_path) as held:
             assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid() == held.record["pid"]
+    assert not (tmp_path / LOCK).exists()
+
+
+# ----------------------------------------------------------------- corrupt records
+
+
+@pytest.mark.parametrize("pid", [2**40, -5, 0, "12", True, None])
+def test_a_corrupt_record_nobody_holds_is_taken_over_naming_the_file(tmp_path: Path, pid: Any) -> None:
+    """A pid that is no process id (2**40 made os.kill raise OverflowError, a traceback)."""
+    _write_record(tmp_path, pid=pid, host=socket.gethostname())
+    with pytest.warns(UserWarning) as caught:
+        with checkpoint.DirectoryLock(tmp_path) as held:
+            assert json.loads((tmp_path / LOCK).read_text()) == held.record
+    (warning,) = caught
+    assert str(warning.message) == (
+        f"checkpoint directory {tmp_path}: taking over the lock file {tmp_path / LOCK}, whose "
+        f"record is corrupt (its pid {pid!r} is not a process id) and which no process holds; "
+        "this run owns the directory now"
+    )
+    assert not (tmp_path / LOCK).exists()
+
+
+def _hold_corrupt(directory: str, ready: Any, release: Any) -> None:
+    """A child that flocks the lock file while its record names a pid no system has."""
+    fd = os.open(Path(directory) / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    os.write(fd, json.dumps({"pid": 2**40, "host": socket.gethostname()}).encode())
+    lock_module.fcntl.flock(fd, lock_module.fcntl.LOCK_EX)
+    ready.set()
+    release.wait(30)
+
+
+def test_a_corrupt_record_someone_holds_is_refused_naming_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ready, release = FORK.Event(), FORK.Event()
+    holder = FORK.Process(target=_hold_corrupt, args=(str(tmp_path), ready, release))
+    holder.start()
+    try:
+        assert ready.wait(30)
+        with pytest.raises(checkpoint.CheckpointDirectoryInUseError) as info:
+            checkpoint.DirectoryLock(tmp_path).acquire()
+        code = cli.main(["train", "--updates", "1", "--micro", "2", "--steps", "2", "--examples",
+                         "8", "--checkpoint-dir", str(tmp_path), "--quiet"])
+    finally:
+        release.set()
+        holder.join(30)
+    assert str(info.value).startswith(
+        f"checkpoint directory {tmp_path} is in use by another run: a corrupt lock record (its "
+        f"pid {2**40} is not a process id) (lock file {tmp_path / LOCK})"
+    )
+    assert code == 1
+    line = capsys.readouterr().err
+    assert line.count("\n") == 1 and line.startswith(f"accumlab: error: --checkpoint-dir {tmp_path} is in use")
+
+
+# ----------------------------------------------------------------- a lock file deleted while its run lives
+
+
+def _resume_beside(directory: str, started: Any, release: Any, out: Any) -> None:
+    """Run B: takes the directory once A's lock file is gone, holds it until ``release``."""
+    try:
+        with checkpoint.DirectoryLock(directory) as held:
+            started.set()
+            release.wait(30)
+            out.send(held.record)
+    except Exception as exc:  # noqa: BLE001 (the parent judges it)
+        started.set()
+        out.send(f"{type(exc).__name__}: {exc}")
+
+
+def test_a_deleted_lock_file_stops_the_run_at_its_next_write_and_spares_the_new_lock(tmp_path: Path) -> None:
+    """Run A's lock file is deleted after its first checkpoint and run B takes the
+    directory: A stops before its second checkpoint write with an error naming the lock
+    file, and A's release (however it ends) leaves B's lock in place."""
+    started, release = FORK.Event(), FORK.Event()
+    receive, send = FORK.Pipe(duplex=False)
+    other = FORK.Process(target=_resume_beside, args=(str(tmp_path), started, release, send))
+
+    def delete_and_let_b_in(report: al.UpdateReport) -> None:
+        if report.index == 0:
+            (tmp_path / LOCK).unlink()
+            other.start()
+            assert started.wait(60)
+
+    config = workers.Config(microbatches=8)
+    try:
+        with pytest.raises(checkpoint.CheckpointDirectoryInUseError) as info:
+            workers.train(workers.build(config), config, checkpoint_dir=tmp_path, checkpoint_every=1,
+                          on_update=delete_and_let_b_in)
+        assert (tmp_path / LOCK).exists()  # B's lock survived A's release
+        b_record = json.loads((tmp_path / LOCK).read_text())
+    finally:
+        release.set()
+    assert receive.poll(30)
+    assert receive.recv() == b_record and b_record["pid"] == other.pid
+    other.join(30)
+    assert str(info.value) == (
+        f"checkpoint directory {tmp_path} is no longer this run's: its lock file {tmp_path / LOCK} "
+        "was deleted or replaced while the run lived, so another run may be writing there; this "
+        "run stopped before writing another checkpoint. Let one run at a time use the directory, "
+        "then resume"
+    )
+    assert checkpoint.list_checkpoints(tmp_path) == [1]  # nothing written after the loss
+    assert not (tmp_path / LOCK).exists()  # B let go of its own
+
+
+def test_a_release_deletes_only_its_own_lock_file(tmp_path: Path) -> None:
+    """This run's lock file is deleted and another process takes the directory: this
+    run's release leaves that process's lock file (a new file at the same name) alone."""
+    ready, release = FORK.Event(), FORK.Event()
+    mine = checkpoint.DirectoryLock(tmp_path).acquire()
+    (tmp_path / LOCK).unlink()
+    holder = FORK.Process(target=_hold, args=(str(tmp_path), ready, release))
+    holder.start()
+    try:
+        assert ready.wait(30)
+        mine.release()
+        assert json.loads((tmp_path / LOCK).read_text())["pid"] == holder.pid
+    finally:
+        release.set()
+        holder.join(30)
     assert not (tmp_path / LOCK).exists()

@@ -97,7 +97,7 @@ def test_resume_after_an_oom_shrink_is_bit_identical(tmp_path: Path) -> None:
 def test_the_dropout_case_depends_on_the_restored_rng(tmp_path: Path, monkeypatch: Any) -> None:
     """Control: the comparison does see the RNG. Without restoring it, dropout draws
     other masks after the resume and the weights differ."""
-    monkeypatch.setattr(checkpoint.replay, "set_rng_state", lambda state: None)
+    monkeypatch.setattr(checkpoint.resume, "set_rng_state", lambda state: None)
     result = workers.straight_and_resumed(workers.Config(dropout=0.2), str(tmp_path), 3, None)
     assert workers.max_weight_diff(result["straight"], result["resumed"]) > 0
 
@@ -164,8 +164,14 @@ def test_a_loader_with_its_own_state_is_restored_not_skipped(tmp_path: Path) -> 
     straight = workers.build(config)
     expected = workers.snapshot(straight, workers.train(straight, config))
     first = workers.build(config)
-    workers.train(first, config, workers.StatefulBatches(first["data"]), max_updates=3,
-                  checkpoint_dir=tmp_path, checkpoint_every=1)  # fmt: skip
+    workers.train(
+        first,
+        config,
+        workers.StatefulBatches(first["data"]),
+        max_updates=3,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=1,
+    )
     second = workers.build(config)
     loader = workers.StatefulBatches(second["data"])
     ledger = workers.train(second, config, loader, checkpoint_dir=tmp_path, resume=True)
@@ -178,8 +184,13 @@ def test_a_stateful_loaders_checkpoint_resumes_a_plain_list_by_skipping(tmp_path
     straight = workers.build(config)
     expected = workers.snapshot(straight, workers.train(straight, config))
     first = workers.build(config)
-    workers.train(first, config, workers.StatefulBatches(first["data"]), max_updates=3,
-                  checkpoint_dir=tmp_path)  # fmt: skip
+    workers.train(
+        first,
+        config,
+        workers.StatefulBatches(first["data"]),
+        max_updates=3,
+        checkpoint_dir=tmp_path,
+    )
     second = workers.build(config)
     ledger = workers.train(second, config, checkpoint_dir=tmp_path, resume=True)  # a list
     assert workers.mismatches(expected, workers.snapshot(second, ledger)) == []

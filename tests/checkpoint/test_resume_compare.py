@@ -1,5 +1,5 @@
-"""What a resume compares (parameter order, the scheduler, a retry in one process), and a checkpoint
-written by an earlier accumlab that must still resume bit for bit (the layout split).
+"""What a resume compares (parameter order, the scheduler, implementation switches, a
+retry in one process), and the refusal of a checkpoint of another format.
 
 Each refusal must leave the model and the optimizer as the caller built them: resume
 compares before it loads anything.
@@ -7,7 +7,6 @@ compares before it loads anything.
 
 from __future__ import annotations
 
-import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +18,6 @@ from helpers import resume_workers as workers  # tests/helpers/resume_workers.py
 
 import accumlab as al
 from accumlab import checkpoint
-
-DATA = Path(__file__).parent / "data"
 
 
 def assert_untouched(run: dict[str, Any], config: workers.Config) -> None:
@@ -179,8 +176,13 @@ def test_every_torch_scheduler_resumes_fresh_and_retried_without_a_false_refusal
 
     same = build()
     with pytest.raises(KeyboardInterrupt):
-        workers.train(same, config, InterruptOnce(same["data"], at=7), checkpoint_dir=tmp_path / "same",
-                      checkpoint_every=1)  # fmt: skip
+        workers.train(
+            same,
+            config,
+            InterruptOnce(same["data"], at=7),
+            checkpoint_dir=tmp_path / "same",
+            checkpoint_every=1,
+        )
     ledger = workers.train(same, config, same["data"], checkpoint_dir=tmp_path / "same", resume=True)
     assert workers.mismatches(straight, workers.snapshot(same, ledger)) == []
 
@@ -219,6 +221,26 @@ def test_the_replay_leaves_the_given_scheduler_and_optimizer_as_built(tmp_path: 
     assert checkpoint.scheduler_differences(state, run["scheduler"], run["optimizer"]) == []
     after = (run["scheduler"].state_dict(), [dict(g, params=None) for g in run["optimizer"].param_groups])
     assert after == before
+
+
+@pytest.mark.parametrize("switch", [{"foreach": True}, {"foreach": False}, {"fused": True}])
+def test_an_optimizer_built_with_another_implementation_switch_resumes(switch: dict[str, bool], tmp_path: Path) -> None:
+    """AdamW's ``foreach`` and ``fused`` choose how the update is computed, not what it
+    is: a resume with only one of them changed is not refused and trains on; a value
+    changed beside the switch still is."""
+    config = workers.Config()
+    interrupted(config, tmp_path, 2)
+
+    def adamw(run: dict[str, Any], lr: float) -> dict[str, Any]:
+        run["optimizer"] = torch.optim.AdamW(run["model"].parameters(), lr=lr, weight_decay=0.1, **switch)
+        run["scheduler"] = torch.optim.lr_scheduler.LambdaLR(run["optimizer"], lambda u: 1.0 / (1.0 + 0.25 * u))
+        return run
+
+    with pytest.raises(checkpoint.ResumeMismatchError, match=r"\['lr'\]: 0.003 in the checkpoint, 0.001 now") as info:
+        workers.train(adamw(workers.build(config), 1e-3), config, checkpoint_dir=tmp_path, resume=True)
+    assert "foreach" not in str(info.value) and "fused" not in str(info.value)
+    ledger = workers.train(adamw(workers.build(config), 3e-3), config, checkpoint_dir=tmp_path, resume=True)
+    assert ledger.update_attempts == 4
 
 
 # ----------------------------------------------------------------- item 7: retry in one process
@@ -304,32 +326,21 @@ def test_a_changed_lr_is_still_refused_when_the_scheduler_has_moved(tmp_path: Pa
 # ----------------------------------------------------------------- the file format
 
 
-def test_a_checkpoint_written_by_accumlab_at_5114cbb_still_resumes_bit_exactly(tmp_path: Path) -> None:
-    """``tests/checkpoint/data/checkpoint-5114cbb/``: written by the code of commit 5114cbb (the last
-    before the checkpoint module was split) with ``resume_workers.Config(dropout=0.1)``,
-    stopped after 2 of 4 update attempts. Resumed here, the run must end exactly where
-    the same state continued by hand ends: the file's model, optimizer, scheduler and RNG
-    states loaded into fresh objects, then trained on the last 4 microbatches on this
-    machine (so no other CPU's rounding enters the comparison)."""
-    config = workers.Config(dropout=0.1)
-    shutil.copytree(DATA / "checkpoint-5114cbb", tmp_path, dirs_exist_ok=True)
-    state = checkpoint.load_checkpoint(tmp_path / "checkpoint-00000002-rank0.pt")
-    assert state["format"] == checkpoint.FORMAT == 2
-    assert "param_shapes" not in state["settings"] and "lrs" not in state["data_history"]  # the old content
-
-    resumed = workers.build(config)
-    ledger = workers.train(resumed, config, checkpoint_dir=tmp_path, resume=True)
-    assert (ledger.update_attempts, ledger.loader_batches) == (4, 8)
-
-    by_hand = workers.build(config)
-    by_hand["model"].load_state_dict(state["model"])
-    by_hand["optimizer"].load_state_dict(state["optimizer"])
-    by_hand["scheduler"].load_state_dict(state["scheduler"])
-    checkpoint.set_rng_state(state["rng"])
-    workers.train(by_hand, config, by_hand["data"][4:])
-    a, b = workers.snapshot(resumed, ledger), workers.snapshot(by_hand, ledger)
-    assert workers.mismatches({k: a[k] for k in ("model", "optimizer", "lr", "scheduler")},
-                              {k: b[k] for k in ("model", "optimizer", "lr", "scheduler")}) == []  # fmt: skip
-    # The new checkpoint keeps the old run's settings; the layout is the same format.
-    newest = checkpoint.load_checkpoint(checkpoint.checkpoint_path(tmp_path, 4))
-    assert newest["format"] == 2 and newest["settings"]["hyperparameters"] == state["settings"]["hyperparameters"]
+def test_a_checkpoint_of_an_older_format_is_refused_in_one_line_naming_the_format(tmp_path: Path) -> None:
+    """An intact checkpoint of another format (an older accumlab's) is not resumed from,
+    nor reported as damaged: one line names its format and this version's, before
+    anything is loaded."""
+    config = workers.Config()
+    interrupted(config, tmp_path, 2)
+    path = checkpoint.checkpoint_path(tmp_path, 2)
+    older = {**checkpoint.load_checkpoint(path), "format": checkpoint.FORMAT - 1}
+    checkpoint.save_checkpoint(older, tmp_path, 2)  # intact: a checksum of its own
+    run = workers.build(config)
+    with pytest.raises(checkpoint.CheckpointFormatError) as info:
+        workers.train(run, config, checkpoint_dir=tmp_path, resume=True)
+    message = str(info.value)
+    assert "\n" not in message and not isinstance(info.value, checkpoint.CorruptCheckpointError)
+    assert f"{path}: it is a checkpoint of format {checkpoint.FORMAT - 1} " in message
+    assert f"this version reads format {checkpoint.FORMAT}" in message
+    assert_untouched(run, config)
+    assert not (tmp_path / checkpoint.LOCK_NAME).exists()  # the refused run let go

@@ -331,8 +331,10 @@ def test_an_unwritable_checkpoint_dir_is_refused_before_training(tmp_path: Path)
         workers.train(run, workers.Config(), _never(), checkpoint_dir=tmp_path / "afile" / "ckpt")
 
 
-@pytest.mark.skipif(hasattr(__import__("os"), "geteuid") and __import__("os").geteuid() == 0,
-                    reason="root writes into a read-only directory")  # fmt: skip
+@pytest.mark.skipif(
+    hasattr(__import__("os"), "geteuid") and __import__("os").geteuid() == 0,
+    reason="root writes into a read-only directory",
+)
 def test_a_read_only_checkpoint_dir_is_refused_before_training(tmp_path: Path) -> None:
     tmp_path.chmod(0o500)
     try:

@@ -6,7 +6,7 @@ import importlib.metadata
 
 import pytest
 
-from accumlab import cli
+from accumlab.course import environment
 
 
 def _missing(name: str) -> str:
@@ -17,19 +17,19 @@ def _missing(name: str) -> str:
                                                  (False, "`pip install jupyterlab` installs it")])
 def test_missing_jupyterlab_hint_fits_the_install(monkeypatch, checkout, says):
     real = importlib.metadata.version
-    monkeypatch.setattr(cli.importlib.metadata, "version",
+    monkeypatch.setattr(environment.importlib.metadata, "version",
                         lambda d: _missing(d) if d == "jupyterlab" else real(d))
-    monkeypatch.setattr(cli, "in_checkout", lambda: checkout)
-    assert cli.environment()["jupyterlab"] == f"not installed ({says})"
+    monkeypatch.setattr(environment, "in_checkout", lambda: checkout)
+    assert environment.environment()["jupyterlab"] == f"not installed ({says})"
 
 
 def test_this_repository_is_a_checkout():
-    assert cli.in_checkout()
+    assert environment.in_checkout()
 
 
 def test_a_standalone_install_is_not_told_to_run_make(monkeypatch):
-    monkeypatch.setattr(cli, "in_checkout", lambda: False)
-    info = {**cli.environment(), "matplotlib": None, "gloo": True}
-    monkeypatch.setattr(cli, "check_devices", lambda info: [])
-    problems = cli.smoke_check(info)
+    monkeypatch.setattr(environment, "in_checkout", lambda: False)
+    info = {**environment.environment(), "matplotlib": None, "gloo": True}
+    monkeypatch.setattr(environment, "check_devices", lambda info: [])
+    problems = environment.smoke_check(info)
     assert problems == ["matplotlib is missing; install it with `pip install matplotlib`"]

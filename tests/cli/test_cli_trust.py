@@ -1,37 +1,27 @@
-"""The ``accumlab`` command a user can trust: resume refuses changed settings,
-``--record`` never replaces what its path is, every failure is one line, Ctrl-C says
-where to resume from, and ``--help``/``--version`` read as plain text."""
+"""The ``accumlab`` command a user can trust: a resume the checkpoint refuses is one line
+naming what changed, ``--record`` never replaces what its path is, every failure is one
+line, a full disk names the file, Ctrl-C says where to resume from, a run that has
+trained exits as done however late Ctrl-C comes, and ``--help``/``--version`` read as
+plain text."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+from helpers import commands  # tests/helpers/commands.py
+from helpers.commands import one_line
 
-from accumlab.cli import SETTINGS_FILE, build_parser, main
+from accumlab import checkpoint
+from accumlab.cli import build_parser, main
 
 TINY = ["train", "--micro", "2", "--steps", "2", "--updates", "1", "--examples", "8", "--quiet"]
 SMALL = ["train", "--micro", "2", "--steps", "2", "--examples", "24", "--quiet"]
-
-
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """``python -m accumlab ARGS`` in a fresh process (exit code, stderr as a user sees them)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    return subprocess.run([sys.executable, "-m", "accumlab", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
-
-
-def one_line(err: str) -> str:
-    """The single stderr line of a failed command (no traceback)."""
-    assert "Traceback" not in err, err
-    lines = err.splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 @pytest.fixture
@@ -53,30 +43,38 @@ def ckpt_run(tmp_path):
     return ckpt
 
 
-# --- item 3: a resume never runs or records a setting other than the checkpoint's ------------
+# --- a resume never runs or records a setting other than the checkpoint's -----------------
+
+#: Each flag a resume must keep, a changed value, and what the checkpoint's own check
+#: (accumlab.checkpoint.compare) names when it refuses it: the plan, the data digests,
+#: torch's seed, the optimizer's hyper-parameters, the precision, the clipping.
+CHANGED = [
+    ("--micro", "4", "plan: micro_batch_size 2 in the checkpoint, 4 now"),
+    ("--steps", "4", "plan: accumulation_steps 2 in the checkpoint, 4 now"),
+    ("--last-window", "drop", "plan: last_window 'update' in the checkpoint, 'drop' now"),
+    ("--examples", "20", "window 0 (loader microbatches 0-1) holds other examples than the run"),
+    ("--seed", "1", "seed (torch.initial_seed()): 0 in the checkpoint, 1 now"),
+    ("--precision", "bf16", "precision: 'fp32' in the checkpoint, 'bf16' now"),
+    ("--lr", "0.1", "param_groups[0]['lr']: 0.003 in the checkpoint, 0.1 now"),
+    ("--clip", "0.5", "--clip: None in the checkpoint, 0.5 now"),
+]
 
 
-@pytest.mark.parametrize(
-    ("flag", "value", "saved"),
-    [
-        ("--lr", "0.1", "0.003"),
-        ("--clip", "0.5", "none"),
-        ("--seed", "1", "0"),
-        ("--examples", "20", "24"),
-        ("--precision", "bf16", "fp32"),
-        ("--last-window", "drop", "update"),
-    ],
-)
-def test_resume_refuses_a_changed_setting_naming_it(ckpt_run, tmp_path, capsys, flag, value, saved):
+@pytest.mark.parametrize("updates", ["4", "2"])  # more to train; the run already complete
+@pytest.mark.parametrize(("flag", "value", "named"), CHANGED)
+def test_resume_refuses_a_changed_setting_naming_it(ckpt_run, tmp_path, capsys, flag, value,
+                                                    named, updates):
+    before = {p.name: p.read_bytes() for p in ckpt_run.iterdir()}
     record = tmp_path / "resumed.json"
-    code = main([*SMALL, "--updates", "4", "--checkpoint-dir", str(ckpt_run), "--resume",
+    code = main([*SMALL, "--updates", updates, "--checkpoint-dir", str(ckpt_run), "--resume",
                  flag, value, "--record", str(record)])
     assert code == 2
-    line = one_line(capsys.readouterr().err)
-    assert line.startswith("accumlab: error: ")
-    assert f"{flag} {value}" in line and f"{flag} {saved}" in line, line
-    assert "--checkpoint-dir" in line  # the other way out: a new run directory
+    captured = capsys.readouterr()
+    line = one_line(captured.err)
+    assert line.startswith("accumlab: error: ") and named in line, line
+    assert "another --checkpoint-dir" in line  # the other way out: a new run directory
     assert not record.exists()  # nothing recorded for a run that did not happen
+    assert {p.name: p.read_bytes() for p in ckpt_run.iterdir()} == before  # nothing written
 
 
 def test_resume_with_the_same_settings_still_runs(ckpt_run, tmp_path, capsys):
@@ -88,27 +86,17 @@ def test_resume_with_the_same_settings_still_runs(ckpt_run, tmp_path, capsys):
     assert written["extra"]["learning_rate"] == written["lr_first"] == written["lr_last"] == 3e-3
 
 
-def test_resume_without_the_settings_file_checks_what_the_checkpoint_stores(ckpt_run, capsys):
-    """A directory from an older accumlab (no settings file): the learning rate and the
-    clipping are read from the checkpoint itself."""
-    (ckpt_run / SETTINGS_FILE).unlink()
-    for flag, value, saved in (("--lr", "0.1", "0.003"), ("--clip", "0.5", "none")):
-        assert main([*SMALL, "--updates", "4", "--checkpoint-dir", str(ckpt_run), "--resume",
-                     flag, value]) == 2
-        line = one_line(capsys.readouterr().err)
-        assert f"{flag} {value}" in line and f"{flag} {saved}" in line, line
-
-
 def test_a_resume_with_no_checkpoint_yet_takes_the_new_settings(tmp_path, capsys):
     """Killed before the first checkpoint: --resume starts fresh, with the flags given now."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    (ckpt / SETTINGS_FILE).write_text(json.dumps({"--lr": 0.003}))
     assert main([*TINY, "--lr", "0.01", "--checkpoint-dir", str(ckpt), "--resume"]) == 0
-    assert json.loads((ckpt / SETTINGS_FILE).read_text())["--lr"] == 0.01
+    assert f"no checkpoint in {ckpt} yet: starting fresh" in capsys.readouterr().out
+    state = checkpoint.load_checkpoint(checkpoint.checkpoint_path(ckpt, 1))
+    assert state["settings"]["hyperparameters"][0]["lr"] == 0.01
 
 
-# --- item 6: --record writes through a symlink and refuses what is not a regular file -----
+# --- --record writes through a symlink and refuses what is not a regular file -------------
 
 
 def test_force_writes_through_a_symlink_to_its_target(tmp_path, capsys):
@@ -132,6 +120,20 @@ def test_a_dangling_symlink_is_written_through_to_its_target(tmp_path, capsys):
     assert link.is_symlink() and json.loads(target.read_text())["update_attempts"] == 1
 
 
+def test_a_record_replaced_keeps_its_permissions_and_a_new_one_follows_the_umask(tmp_path, capsys):
+    old = tmp_path / "old.json"
+    old.write_text("earlier run\n")
+    old.chmod(0o640)
+    assert main([*TINY, "--record", str(old), "--force"]) == 0
+    assert old.stat().st_mode & 0o777 == 0o640
+    umask = os.umask(0o027)
+    try:
+        assert main([*TINY, "--record", str(tmp_path / "new.json")]) == 0
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "new.json").stat().st_mode & 0o777 == 0o640  # 0o666 less 0o027
+
+
 @pytest.mark.parametrize("kind", ["fifo", "symlink_to_fifo", "symlink_to_directory"])
 @pytest.mark.parametrize("force", [False, True])
 def test_record_refuses_what_is_not_a_regular_file(tmp_path, capsys, no_training, kind, force):
@@ -151,10 +153,30 @@ def test_record_refuses_what_is_not_a_regular_file(tmp_path, capsys, no_training
         assert path.is_symlink()
 
 
+def test_a_fifo_put_at_the_record_path_during_training_is_left_alone(tmp_path, capsys, monkeypatch):
+    """Checked before training and again at the rename: what appeared meanwhile is kept."""
+    import accumlab.driver
+
+    path = tmp_path / "run.json"
+    real_train = accumlab.driver.train
+
+    def train_then_fifo(*args, **kwargs):
+        ledger = real_train(*args, **kwargs)
+        os.mkfifo(path)
+        return ledger
+
+    monkeypatch.setattr(accumlab.driver, "train", train_then_fifo)
+    assert main([*TINY, "--record", str(path), "--force"]) == 1
+    captured = capsys.readouterr()
+    assert "is a FIFO (named pipe), not a regular file" in one_line(captured.err)
+    assert path.is_fifo() and '"update_attempts": 1' in captured.out  # the record is not lost
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]  # no temp file left
+
+
 def test_record_fifo_from_the_command_line(tmp_path):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    result = cli(*TINY, "--record", str(fifo), "--force")
+    result = commands.run(*TINY, "--record", str(fifo), "--force")
     assert result.returncode == 1
     assert "not a regular file" in one_line(result.stderr)
     assert fifo.is_fifo()
@@ -163,15 +185,11 @@ def test_record_fifo_from_the_command_line(tmp_path):
 # --- the record and the checkpoints must not collide (checked before training) -------------
 
 
-@pytest.mark.parametrize("where", ["same", "checkpoint_name", "settings_file", "above"])
+@pytest.mark.parametrize("where", ["same", "checkpoint_name", "lock_name", "above"])
 def test_record_and_checkpoint_dir_that_collide_are_refused(tmp_path, capsys, no_training, where):
     ckpt = tmp_path / "ckpt"
-    record = {
-        "same": ckpt,
-        "checkpoint_name": ckpt / "checkpoint-00000001-rank0.pt",
-        "settings_file": ckpt / SETTINGS_FILE,
-        "above": tmp_path,
-    }[where]
+    record = {"same": ckpt, "checkpoint_name": ckpt / "checkpoint-00000001-rank0.pt",
+              "lock_name": ckpt / ".checkpoint-lock", "above": tmp_path}[where]
     if where == "above":
         ckpt = tmp_path / "run.json" / "ckpt"
         record = tmp_path / "run.json"
@@ -187,63 +205,113 @@ def test_a_record_beside_the_checkpoints_is_fine(tmp_path, capsys):
     assert json.loads((ckpt / "run.json").read_text())["update_attempts"] == 1
 
 
-# --- item 7: a corrupt newest checkpoint is one line, never a traceback -------------------
+# --- damaged checkpoints, a full disk: one line -------------------------------------------
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty"])
 def test_a_corrupt_newest_checkpoint_is_one_line(tmp_path, damage):
     ckpt = tmp_path / "ckpt"
-    first = cli(*SMALL, "--updates", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1")
+    first = commands.run(*SMALL, "--updates", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1")
     assert first.returncode == 0, first.stderr
     newest = ckpt / "checkpoint-00000002-rank0.pt"
     data = newest.read_bytes()
     newest.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"")
-    result = cli(*SMALL, "--updates", "3", "--checkpoint-dir", str(ckpt), "--resume")
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
+    result = commands.run(*SMALL, "--updates", "3", "--checkpoint-dir", str(ckpt), "--resume")
     # the library falls back to the previous checkpoint, and the command says so in one line
     assert result.returncode == 0, result.stderr
-    assert lines[0].startswith("accumlab: warning: ") and newest.name in lines[0], lines
+    line = one_line(result.stderr)
+    assert line.startswith("accumlab: warning: ") and newest.name in line, line
     assert "3 update attempts" in result.stdout
 
 
-def test_no_intact_checkpoint_is_one_line(monkeypatch, capsys):
-    """The library warns once per damaged checkpoint it skips, then raises one error
-    naming them all: the command prints that error alone (exit 1: not a usage error)."""
-    import warnings
-
-    import accumlab.driver
-
-    class CorruptCheckpointError(ValueError):
-        pass
-
-    whys = [f"checkpoint ckpt/checkpoint-0000000{n}-rank0.pt is not intact: the file is empty"
-            for n in (3, 2)]
-
-    def all_damaged(*args, **kwargs):
-        for why in whys:
-            warnings.warn(f"{why}; resuming from the one before it instead", UserWarning, stacklevel=2)
-        warnings.warn("something else the user should see", UserWarning, stacklevel=2)
-        raise CorruptCheckpointError("no intact checkpoint in ckpt: " + "; ".join(whys))
-
-    monkeypatch.setattr(accumlab.driver, "train", all_damaged)
-    assert main(TINY) == 1
-    assert capsys.readouterr().err.splitlines() == [
-        "accumlab: warning: something else the user should see",
-        "accumlab: error: no intact checkpoint in ckpt: " + "; ".join(whys),
-    ]
-
-
 def test_every_checkpoint_damaged_from_the_command_line(tmp_path):
+    """The library raises one error naming every damaged file (no warning before it): one
+    line, exit 1 (not a usage error)."""
     ckpt = tmp_path / "ckpt"
-    assert cli(*SMALL, "--updates", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1").returncode == 0
+    assert commands.run(*SMALL, "--updates", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1").returncode == 0
     for name in ("checkpoint-00000001-rank0.pt", "checkpoint-00000002-rank0.pt"):
         (ckpt / name).write_bytes(b"")
-    result = cli(*SMALL, "--updates", "3", "--checkpoint-dir", str(ckpt), "--resume")
+    result = commands.run(*SMALL, "--updates", "3", "--checkpoint-dir", str(ckpt), "--resume")
     assert result.returncode == 1
     line = one_line(result.stderr)
-    assert line.startswith("accumlab: error: ") and "checkpoint-00000001" in line and "checkpoint-00000002" in line
+    assert line.startswith("accumlab: error: no intact checkpoint in ")
+    assert "checkpoint-00000001" in line and "checkpoint-00000002" in line
+
+
+def test_a_checkpoint_of_another_format_is_one_line_and_exit_1(ckpt_run, capsys):
+    """Intact checkpoints of another accumlab's format: not a damaged file, not a bad flag
+    (exit 1, like a directory with no intact checkpoint); the line names the format."""
+    for attempts in checkpoint.list_checkpoints(ckpt_run):
+        state = checkpoint.load_checkpoint(checkpoint.checkpoint_path(ckpt_run, attempts))
+        checkpoint.save_checkpoint({**state, "format": checkpoint.FORMAT - 1}, ckpt_run, attempts)
+    assert main([*SMALL, "--updates", "3", "--checkpoint-dir", str(ckpt_run), "--resume"]) == 1
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("accumlab: error: cannot resume from "), line
+    assert f"it is a checkpoint of format {checkpoint.FORMAT - 1}" in line
+    assert line.endswith("start the run in a new --checkpoint-dir"), line
+
+
+#: Runs the command with a file-size limit (``ulimit -f``): ``python LIMITED BYTES ARGS``.
+LIMITED = """import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]),) * 2)
+from accumlab.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE")
+def test_a_file_size_limit_during_a_checkpoint_write_names_the_file(tmp_path):
+    """Checkpoints grow a little with every attempt (the ledger), so a limit of checkpoint
+    2's size lets 1 and 2 be written and stops 3: one line naming checkpoint 3 and the
+    limit, 1 and 2 left intact; the resume trains attempt 3 and fails on the same write
+    with the same line (not "before the first update attempt"); without the limit the
+    resume ends with the record of a run never stopped."""
+    sizes = []
+    for n in (2, 3):
+        done = commands.run(*SMALL, "--updates", str(n), "--checkpoint-dir", str(tmp_path / f"s{n}"))
+        assert done.returncode == 0, done.stderr
+        sizes.append(checkpoint.checkpoint_path(tmp_path / f"s{n}", n).stat().st_size)
+    assert sizes[1] > sizes[0]
+    script = tmp_path / "limited.py"
+    script.write_text(LIMITED)
+    ckpt = tmp_path / "ckpt"
+    flags = [*SMALL, "--updates", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    third = checkpoint.checkpoint_path(ckpt, 3)
+    for resume in ([], ["--resume"]):
+        result = commands.run(*flags, *resume, prefix=[str(script), str(sizes[0])])
+        assert result.returncode == 1
+        line = one_line(result.stderr)
+        assert line == (f"accumlab: error: cannot write {third}: File too large (over a file-size "
+                        "limit: the process's `ulimit -f`, or the file system's); the checkpoints "
+                        "written before it are intact"), line
+        assert checkpoint.list_checkpoints(ckpt) == [2, 1]
+        assert sorted(p.name for p in ckpt.iterdir()) == [
+            "checkpoint-00000001-rank0.pt", "checkpoint-00000002-rank0.pt"]  # no temp, no lock
+        checkpoint.load_checkpoint(checkpoint.checkpoint_path(ckpt, 2))  # intact
+    resumed = commands.run(*flags, "--resume", "--record", str(tmp_path / "resumed.json"))
+    straight = commands.run(*flags[:-4], "--record", str(tmp_path / "straight.json"))
+    assert resumed.returncode == 0 == straight.returncode, resumed.stderr + straight.stderr
+    assert json.loads((tmp_path / "resumed.json").read_text()) == json.loads((tmp_path / "straight.json").read_text())
+
+
+def test_a_full_disk_while_writing_the_record_keeps_the_old_file_and_prints_it(tmp_path, capsys, monkeypatch):
+    import accumlab.atomic_write
+
+    path = tmp_path / "run.json"
+    path.write_text("earlier run\n")
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(accumlab.atomic_write.os, "replace", full_disk)
+    assert main([*TINY, "--record", str(path), "--force"]) == 1
+    captured = capsys.readouterr()
+    assert path.read_text() == "earlier run\n"  # the old record is intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]  # temp file removed
+    assert '"update_attempts": 1' in captured.out  # the record is not lost
+    assert one_line(captured.err) == (f"accumlab: error: cannot write {path}: No space left on "
+                                      "device; the run record's JSON is printed above instead")
 
 
 def test_a_library_warning_is_one_line(monkeypatch, capsys):
@@ -258,8 +326,7 @@ def test_a_library_warning_is_one_line(monkeypatch, capsys):
 
     monkeypatch.setattr(accumlab.driver, "train", warn_then_fail)
     assert main(TINY) == 1
-    err = capsys.readouterr().err.splitlines()
-    assert err == [
+    assert capsys.readouterr().err.splitlines() == [
         "accumlab: warning: checkpoint-00000002-rank0.pt is corrupt (truncated); using the one before",
         "accumlab: error: PytorchStreamReader failed reading zip archive: failed finding central directory",
     ]
@@ -277,15 +344,109 @@ def test_any_failure_of_training_is_one_line(monkeypatch, capsys, error):
     assert one_line(capsys.readouterr().err) == "accumlab: error: it broke second line"
 
 
-# --- smaller -------------------------------------------------------------------------------
+# --- Ctrl-C ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flag", ["--lr", "--clip"])
-@pytest.mark.parametrize("value", ["inf", "nan", "-1", "0"])
-def test_non_finite_or_non_positive_hyper_parameters_are_refused(capsys, no_training, flag, value):
-    assert main([*TINY, flag, value]) == 2
+def test_ctrl_c_without_checkpoints_is_one_line(monkeypatch, capsys):
+    import accumlab.driver
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(accumlab.driver, "train", interrupted)
+    assert main(TINY) == 130
     line = one_line(capsys.readouterr().err)
-    assert f"{flag} must be a positive, finite number" in line and value in line
+    assert line == "accumlab: interrupted; no checkpoint was written (no --checkpoint-dir)"
+
+
+def _wait_for(path: Path, process, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("tests_ignore_ctrl_c", [False, True])
+def test_ctrl_c_names_the_last_checkpoint(tmp_path, tests_ignore_ctrl_c):
+    """A real SIGINT in the middle of a run: exit 130, one line naming the newest checkpoint
+    and how to continue from it; also when the tests themselves run with SIGINT ignored
+    (`nohup make test`, a background job): the command gets Ctrl-C's default back."""
+    ckpt = tmp_path / "ckpt"
+    ours = signal.signal(signal.SIGINT, signal.SIG_IGN) if tests_ignore_ctrl_c else None
+    try:
+        process = commands.start("train", "--micro", "1", "--steps", "1", "--updates", "100000",
+                                 "--quiet", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1")
+    finally:
+        if ours is not None:
+            signal.signal(signal.SIGINT, ours)
+    try:
+        _wait_for(checkpoint.checkpoint_path(ckpt, 1), process)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 130, err
+    line = one_line(err)
+    newest = max(ckpt.glob("checkpoint-*-rank0.pt"))
+    assert line.startswith("accumlab: interrupted; ")
+    assert str(newest) in line and "--resume" in line, line
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.1, 0.2])
+def test_ctrl_c_after_the_last_checkpoint_of_a_finished_run_exits_as_done(tmp_path, delay):
+    """SIGINT ``delay`` seconds after the run's last checkpoint appeared: the run has
+    trained, so it ends as it would have: exit 0, its record printed, nothing on stderr
+    (not killed by the signal during the interpreter's exit, silent, nor a traceback from
+    an exit handler)."""
+    ckpt = tmp_path / "ckpt"
+    process = commands.start(*SMALL, "--updates", "3", "--checkpoint-dir", str(ckpt))
+    try:
+        _wait_for(checkpoint.checkpoint_path(ckpt, 3), process)
+        time.sleep(delay)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert (process.returncode, err) == (0, ""), (process.returncode, err)
+    assert "| update_attempts | 3 |" in out
+
+
+def test_an_ignored_ctrl_c_stays_ignored():
+    """A background job started with SIGINT ignored: the command never turns Ctrl-C back
+    on (neither a KeyboardInterrupt nor its line), from its start to its exit."""
+    process = commands.start(*TINY, ignore_ctrl_c=True)
+    try:
+        for _ in range(8):
+            time.sleep(0.25)
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, err
+    assert "interrupted" not in err and "| update_attempts | 1 |" in out
+
+
+def test_main_leaves_ctrl_c_as_it_found_it(monkeypatch, capsys):
+    """Called from Python (a test, a script), the command hands Ctrl-C back as it was,
+    after a run (which ignores it once trained) and after an interruption alike."""
+    import accumlab.driver
+
+    before = signal.getsignal(signal.SIGINT)
+    assert main(TINY) == 0
+    assert signal.getsignal(signal.SIGINT) is before
+    monkeypatch.setattr(accumlab.driver, "train", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert main(TINY) == 130
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+# --- smaller -------------------------------------------------------------------------------
 
 
 def test_version(capsys):
@@ -305,44 +466,3 @@ def test_help_is_plain_text():
     for text in texts:
         assert "``" not in text and ":func:" not in text, text
     assert texts[0].splitlines()[2].startswith("The accumlab command: ")
-
-
-def test_ctrl_c_without_checkpoints_is_one_line(monkeypatch, capsys):
-    import accumlab.driver
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(accumlab.driver, "train", interrupted)
-    assert main(TINY) == 130
-    line = one_line(capsys.readouterr().err)
-    assert line == "accumlab: interrupted; no checkpoint was written (no --checkpoint-dir)"
-
-
-def test_ctrl_c_names_the_last_checkpoint(tmp_path):
-    """A real SIGINT in the middle of a run: exit 130, one line naming the newest checkpoint
-    and how to continue from it."""
-    ckpt = tmp_path / "ckpt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "accumlab", "train", "--micro", "2", "--steps", "2", "--updates",
-         "100000", "--quiet", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not list(ckpt.glob("checkpoint-*-rank0.pt")):
-            assert process.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
-        process.send_signal(signal.SIGINT)
-        _, err = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-    assert process.returncode == 130, err
-    line = one_line(err)
-    newest = max(ckpt.glob("checkpoint-*-rank0.pt"))
-    assert line.startswith("accumlab: interrupted; ")
-    assert str(newest) in line and "--resume" in line, line
-

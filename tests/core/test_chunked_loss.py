@@ -126,9 +126,11 @@ def test_loss_equals_plain_cross_entropy_on_the_shifted_targets():
     labels = labels_for(3, 8, 23, seed=1)
     logits = head(hidden)
     expected = F.cross_entropy(
-        logits[:, :-1].reshape(-1, 23), labels[:, 1:].reshape(-1), ignore_index=IGNORE,
+        logits[:, :-1].reshape(-1, 23),
+        labels[:, 1:].reshape(-1),
+        ignore_index=IGNORE,
         reduction="sum",
-    )  # fmt: skip
+    )
     got = al.ChunkedNextTokenLoss(head, chunk_size=4).loss_sum(hidden, {"labels": labels})
     torch.testing.assert_close(got, expected.detach(), rtol=1e-12, atol=0)
 
@@ -373,9 +375,11 @@ def test_train_window_with_a_gpt2_applies_the_default_paths_gradient(dtype, rtol
     assert rel(reference, chunked) <= rtol
     # the whole Hugging Face output (with .last_hidden_state) works as well
     whole = window_gradient(
-        model, window, al.ChunkedNextTokenLoss(model.lm_head),
+        model,
+        window,
+        al.ChunkedNextTokenLoss(model.lm_head),
         forward=lambda mdl, b: mdl.transformer(input_ids=b["input_ids"], use_cache=False),
-    )  # fmt: skip
+    )
     assert rel(reference, whole) <= rtol
 
 
@@ -418,9 +422,13 @@ def test_reduced_precision_in_the_loop_follows_the_default_path(precision):
         model, window, al.NextTokenLoss(), **kwargs, **({"scaler": scalers[0]} if scalers else {})
     )
     chunked = window_gradient(
-        model, window, al.ChunkedNextTokenLoss(model.lm_head, chunk_size=8), forward=hidden_forward,
-        **kwargs, **({"scaler": scalers[1]} if scalers else {}),
-    )  # fmt: skip
+        model,
+        window,
+        al.ChunkedNextTokenLoss(model.lm_head, chunk_size=8),
+        forward=hidden_forward,
+        **kwargs,
+        **({"scaler": scalers[1]} if scalers else {}),
+    )
     fp32 = window_gradient(model, window, al.NextTokenLoss())
     assert all(bool(torch.isfinite(g).all()) for g in chunked)
     assert rel(reference, chunked) <= 3e-2  # half-precision rounding of two orders of work

@@ -368,6 +368,36 @@ def test_train_window_rejects_bad_options(toy64: nn.Module, kwargs: dict, match:
         al.train_window(toy64, [token_batch([(3, 0)])], sgd(toy64), al.NextTokenLoss(), **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("keyword", "value"),
+    [
+        ("clip_grad_norm", "1"),
+        ("clip_grad_norm", 0.0),
+        ("clip_grad_norm", math.inf),
+        ("nonfinite", "ignore"),
+        ("nonfinite", None),
+        ("scheduler_per", "step"),
+        ("sync", 1),
+        ("precision", "fp8"),
+        ("precision", None),
+    ],
+)
+def test_train_and_train_window_word_a_bad_option_the_same_way(
+    toy64: nn.Module, keyword: str, value: object
+) -> None:
+    """Each option is checked by one helper, whether ``train`` or ``train_window`` is
+    called: the same error type and the same message."""
+    window = [token_batch([(3, 0)])]
+    with pytest.raises((TypeError, ValueError)) as by_window:
+        al.train_window(toy64, window, sgd(toy64), al.NextTokenLoss(), **{keyword: value})
+    with pytest.raises((TypeError, ValueError)) as by_train:
+        plan = al.AccumulationPlan(micro_batch_size=1, accumulation_steps=1)
+        al.train(toy64, window, sgd(toy64), plan, al.NextTokenLoss(), **{keyword: value})
+    assert type(by_train.value) is type(by_window.value)
+    assert str(by_train.value) == str(by_window.value)
+    assert str(by_window.value).startswith(keyword)
+
+
 # ------------------------------------------------------------------------ train
 
 

@@ -45,7 +45,7 @@ def test_non_int_sizes_raise_type_error(bad: object) -> None:
 
 
 def test_unknown_last_window_policy_raises() -> None:
-    with pytest.raises(ValueError, match="last_window must be one of"):
+    with pytest.raises(ValueError, match="last_window must be .update. or .drop."):
         AccumulationPlan(2, 2, last_window="keep")  # type: ignore[arg-type]
 
 

@@ -217,15 +217,24 @@ def test_scale_is_constant_within_a_window_and_the_boundary_order_is_exact(
     reference = _fp32_grad_norm(gpt(device), windows[0])
 
     ledger = al.train(
-        model, batches, opt, plan, OBJECTIVE, precision="fp16", scaler=scaler,
-        clip_grad_norm=1e6, progress=False,
-    )  # fmt: skip
+        model,
+        batches,
+        opt,
+        plan,
+        OBJECTIVE,
+        precision="fp16",
+        scaler=scaler,
+        clip_grad_norm=1e6,
+        progress=False,
+    )
 
     assert ledger.update_attempts == ledger.updates_applied == 3
     one_window = (
-        ["zero_grad"] + ["scale", "backward"] * 4 + ["unscale_", "clip", "step", "update"]
+        ["zero_grad"]
+        + ["scale", "backward"] * 4
+        + ["unscale_", "clip", "step", "update"]
         + ["zero_grad"]
-    )  # fmt: skip
+    )
     assert [name for name, _ in log] == one_window * 3
     per_window = len(one_window)
     for w, report in enumerate(ledger.reports):
@@ -265,9 +274,15 @@ def test_injected_nonfinite_gradient_skips_the_update_and_the_next_window_applie
 
     def window(i: int) -> al.UpdateReport:
         return al.train_window(
-            model, gpt_window(seed=i, device=device), opt, OBJECTIVE, precision=precision,
-            scaler=scaler, scheduler=scheduler, index=i,
-        )  # fmt: skip
+            model,
+            gpt_window(seed=i, device=device),
+            opt,
+            OBJECTIVE,
+            precision=precision,
+            scaler=scaler,
+            scheduler=scheduler,
+            index=i,
+        )
 
     ledger.record(window(0))
     weights, state = params(model), optimizer_state(opt)
@@ -315,9 +330,16 @@ def test_train_uses_one_scaler_for_the_run_and_counts_skips(device: str) -> None
             injection.close()
 
     ledger = al.train(
-        model, batches, opt, plan, OBJECTIVE, precision="fp16", scheduler=scheduler,
-        on_update=arm, progress=False,
-    )  # fmt: skip
+        model,
+        batches,
+        opt,
+        plan,
+        OBJECTIVE,
+        precision="fp16",
+        scheduler=scheduler,
+        on_update=arm,
+        progress=False,
+    )
     injection.close()
     applied = [r.applied for r in ledger.reports]
     assert applied == [True, False, True]
@@ -353,11 +375,20 @@ def test_nonfinite_raise_stops_without_touching_the_weights(precision: str) -> N
     opt, scheduler = _scheduled_adam(model)
     al.train_window(model, gpt_window(0), opt, OBJECTIVE, scheduler=scheduler)
     weights, state = params(model), optimizer_state(opt)
-    with al.inject_nonfinite(model.ln_f.weight), pytest.raises(FloatingPointError, match="window 1"):
+    with (
+        al.inject_nonfinite(model.ln_f.weight),
+        pytest.raises(FloatingPointError, match="window 1"),
+    ):
         al.train_window(
-            model, gpt_window(1), opt, OBJECTIVE, precision=precision, scheduler=scheduler,
-            nonfinite="raise", index=1,
-        )  # fmt: skip
+            model,
+            gpt_window(1),
+            opt,
+            OBJECTIVE,
+            precision=precision,
+            scheduler=scheduler,
+            nonfinite="raise",
+            index=1,
+        )
     assert_same_params(weights, params(model))
     assert_same_state(state, optimizer_state(opt))
     assert scheduler.last_epoch == 1
@@ -503,9 +534,12 @@ def test_policy_autocasts_the_forward_and_keeps_float32_weights(
     assert policy.needs_scaler == (precision == "fp16")
     model = gpt(device)
     al.train_window(
-        model, gpt_window(device=device), torch.optim.SGD(model.parameters(), lr=0.1),
-        OBJECTIVE, precision=precision,
-    )  # fmt: skip
+        model,
+        gpt_window(device=device),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        OBJECTIVE,
+        precision=precision,
+    )
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
@@ -600,9 +634,13 @@ def test_a_disabled_scaler_under_bf16_is_silent() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         report = al.train_window(
-            model, gpt_window(0), opt, OBJECTIVE, precision="bf16",
+            model,
+            gpt_window(0),
+            opt,
+            OBJECTIVE,
+            precision="bf16",
             scaler=torch.amp.GradScaler("cpu", enabled=False),
-        )  # fmt: skip
+        )
     assert report.applied
 
 
@@ -628,9 +666,14 @@ def test_run_record_carries_precision_scaler_settings_and_skip_counts() -> None:
     record = al.RunRecord.from_run(plan, ledger, precision="fp16", scaler=scaler)
     assert record.precision == "fp16"
     assert record.scaler == {
-        "enabled": True, "device": "cpu", "init_scale": 4096.0, "scale": 2048.0,
-        "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 50,
-    }  # fmt: skip
+        "enabled": True,
+        "device": "cpu",
+        "init_scale": 4096.0,
+        "scale": 2048.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 50,
+    }
     assert (record.update_attempts, record.updates_applied, record.updates_skipped) == (3, 1, 2)
     assert (record.skipped_nonfinite, record.skipped_no_targets) == (1, 1)
     parsed = json.loads(record.to_json())
@@ -664,7 +707,11 @@ def test_a_caller_scaler_is_used_as_given() -> None:
     assert isinstance(created, torch.amp.GradScaler) and created.is_enabled()
     model = gpt()
     report = al.train_window(
-        model, gpt_window(0), torch.optim.SGD(model.parameters(), lr=0.1), OBJECTIVE,
-        precision="fp16", scaler=scaler,
-    )  # fmt: skip
+        model,
+        gpt_window(0),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        OBJECTIVE,
+        precision="fp16",
+        scaler=scaler,
+    )
     assert report.scale_before == 8.0 and scaler.get_scale() == 8.0

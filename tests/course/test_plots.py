@@ -436,7 +436,7 @@ def test_ddp_window_timeline_syncs_once_with_no_sync_and_a_times_without():
 
 def test_the_memory_plots_draw_a_bar_per_phase_and_part() -> None:
     from accumlab.course.plots import plot_memory_breakdown, plot_memory_window
-    from accumlab.memory import PhaseRecord, WindowRecord
+    from accumlab.memory_records import PhaseRecord, WindowRecord
 
     phases = [PhaseRecord(0, "forward", 0, 10, 30, 20), PhaseRecord(0, "backward", 0, 30, 40, 12)]
     window = WindowRecord(index=0, baseline_bytes=10, phases=phases)

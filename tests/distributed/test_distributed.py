@@ -21,6 +21,7 @@ import accumlab as al
 from accumlab import distributed as ald
 from accumlab.course import data, workers
 from accumlab.course.models import TinyGPT
+from accumlab.objectives import count_examples
 
 DEADLINE_S = 50  # per launch: a hang fails here, long before the CI budget
 RTOL = 1e-5
@@ -188,7 +189,7 @@ def test_padding_microbatch_adds_no_targets_no_examples_and_zero_gradient():
     pad = ald.padding_microbatch(batch, objective)
     assert pad["input_ids"].shape == batch["input_ids"].shape  # shaped like real data
     assert objective.count(pad) == 0
-    assert ald.count_examples(pad) == 0 and ald.count_examples(batch) == 3
+    assert count_examples(pad) == 0 and count_examples(batch) == 3
     assert ald.is_padding(pad) and not ald.is_padding(batch)
     assert ald.example_ids_in([batch, pad]) == batch["example_ids"].tolist()
     torch.manual_seed(0)
@@ -203,7 +204,7 @@ def test_padding_microbatch_for_per_example_losses_has_zero_rows():
     batch = {"x": torch.randn(4, 3), "labels": torch.tensor([0, 1, 0, 1])}
     pad = ald.padding_microbatch(batch, al.ExampleLoss())
     assert pad["x"].shape == (0, 3) and al.ExampleLoss().count(pad) == 0
-    assert ald.count_examples(pad) == 0
+    assert count_examples(pad) == 0
 
 
 def test_padding_microbatch_refuses_an_objective_it_cannot_zero():

@@ -99,13 +99,21 @@ def _gpt_window() -> tuple[TinyGPT, list[dict[str, torch.Tensor]]]:
     return model, [{"input_ids": ids, "labels": ids}]
 
 
-@pytest.mark.parametrize("bad", ["micro", "Window", None, 1])
-def test_train_window_and_accumulate_name_a_bad_sync(bad):
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        ("micro", ValueError, r"sync must be 'window' or 'microbatch', got 'micro'"),
+        ("Window", ValueError, r"sync must be 'window' or 'microbatch', got 'Window'"),
+        (None, TypeError, r"sync must be a string, 'window' or 'microbatch', got NoneType"),
+        (1, TypeError, r"sync must be a string, 'window' or 'microbatch', got int"),
+    ],
+)
+def test_train_window_and_accumulate_name_a_bad_sync(bad, error, match):
     model, window = _gpt_window()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"sync must be 'window' or 'microbatch'"):
+    with pytest.raises(error, match=match):
         al.train_window(model, window, optimizer, al.NextTokenLoss(), sync=bad)
-    with pytest.raises(ValueError, match=r"sync must be 'window' or 'microbatch'"):
+    with pytest.raises(error, match=match):
         al.accumulate(model, window, al.NextTokenLoss(), sync=bad)
     assert all(p.grad is None for p in model.parameters())  # no backward ran
 

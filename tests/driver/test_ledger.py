@@ -190,5 +190,5 @@ def test_run_record_rejects_bad_inputs() -> None:
         al.RunRecord.from_run({"micro_batch_size": 2}, ledger)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="ledger must be a Ledger"):
         al.RunRecord.from_run(plan, {})  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="unit must be one of"):
+    with pytest.raises(ValueError, match="unit must be .target. or .example."):
         al.RunRecord.from_run(plan, ledger, unit="token")

@@ -261,8 +261,10 @@ def test_report_and_summary_are_json_and_feed_the_run_record() -> None:
     [
         ({"device": "meta"}, ValueError, "'cpu' or 'cuda'"),
         ({"device": 1.5}, TypeError, "device must be"),
-        ({"budget_bytes": 0}, ValueError, "budget_bytes must be positive"),
-        ({"budget_bytes": 2.5}, TypeError, "budget_bytes must be an int"),
+        ({"budget_bytes": 0}, ValueError, "budget_bytes must be at least 1, or None for no budget"),
+        ({"budget_bytes": 2.5}, TypeError, r"budget_bytes must be an int, or None .*float \(2.5\)"),
+        ({"track_saved": 1}, TypeError, "track_saved must be True or False, got 1"),
+        ({"record_history": "yes"}, TypeError, "record_history must be True or False, got 'yes'"),
         ({"record_history": True}, ValueError, "needs a CUDA device"),
     ],
 )

@@ -57,12 +57,9 @@ def test_record_after_a_shrink_at_the_first_update_states_the_plan_that_ran():
         {"update": 0, "from_micro_batch_size": 8, "from_accumulation_steps": 2,
          "to_micro_batch_size": 4, "to_accumulation_steps": 4}
     ]
-    with pytest.warns(DeprecationWarning, match="record.shrinks"):  # a deprecated alias
-        assert record.extra["oom_shrinks"] == ledger.shrinks  # the ledger's own entries
+    assert record.extra == {}  # each shrink is stated once, in record.shrinks
     table = record.to_markdown()
-    # Stated once: the record's shrinks, not a second list under another key.
     assert table.count("new_micro_batch_size") == 0 and table.count("| shrinks |") == 1
-    assert "oom_shrinks" not in record.to_dict()["extra"] and "oom_shrinks" not in table
     assert "| micro_batch_size | 4 |" in table and "| planned_micro_batch_size | 8 |" in table
     assert al.RunRecord.from_json(record.to_json()) == record
 
@@ -90,21 +87,22 @@ def test_record_without_a_shrink_is_the_plan_given():
     record = al.RunRecord.from_run(al.AccumulationPlan(8, 2), al.Ledger())
     assert (record.micro_batch_size, record.accumulation_steps) == (8, 2)
     assert (record.planned_micro_batch_size, record.planned_accumulation_steps) == (8, 2)
-    assert record.shrinks == [] and "oom_shrinks" not in record.extra
+    assert record.shrinks == []
 
 
-def test_an_old_record_without_the_new_fields_still_reads():
-    record = al.RunRecord.from_run(al.AccumulationPlan(8, 2), al.Ledger())
-    data = record.to_dict()
-    for name in ("planned_micro_batch_size", "planned_accumulation_steps", "shrinks"):
+def test_a_record_without_the_planned_sizes_is_refused_naming_them():
+    """``planned_*`` are part of every record (no default standing in for them)."""
+    data = al.RunRecord.from_run(al.AccumulationPlan(8, 2), al.Ledger()).to_dict()
+    for name in ("planned_micro_batch_size", "planned_accumulation_steps"):
         del data[name]
-    old = al.RunRecord.from_json(json.dumps(data))
-    assert (old.micro_batch_size, old.accumulation_steps) == (8, 2)
-    assert (old.planned_micro_batch_size, old.planned_accumulation_steps) == (8, 2)
+    with pytest.raises(ValueError, match=r"missing fields \['planned_accumulation_steps', 'planned_micro_batch_size'\]"):
+        al.RunRecord.from_json(json.dumps(data))
+    with pytest.raises(TypeError, match="planned_micro_batch_size"):
+        al.RunRecord(**{k: v for k, v in data.items() if k != "planned_accumulation_steps"})
 
 
 @pytest.mark.parametrize(("m", "halvings", "expected"), [(8, 1, (4, 2)), (6, 2, (2, 4)), (5, 1, (3, 2))])
 def test_sizes_after_halving_follow_the_halving_rule(m, halvings, expected):
-    from accumlab.ledger import sizes_after_halving
+    from accumlab.record import sizes_after_halving
 
     assert sizes_after_halving(m, halvings) == expected

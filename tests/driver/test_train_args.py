@@ -108,6 +108,26 @@ def test_a_single_batch_instead_of_an_iterable_of_microbatches_is_rejected(
         )
 
 
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
+def test_a_learning_rate_the_float32_weights_cannot_hold_is_named_before_any_data(optimizer: str) -> None:
+    """``lr=1e300`` is a finite Python float but overflows float32: the update could not
+    even be computed. ``train`` names the hyper-parameter before it reads data, where a
+    float64 model takes the same value."""
+    torch.manual_seed(0)
+    model = TinyGPT(VOCAB_SIZE, block_size=8, n_layer=1, n_head=2, n_embd=8)
+    read: list[int] = []
+    batches = [token_batch([(6, 0)] * 2, seed=s) for s in range(2)]
+    build = getattr(torch.optim, optimizer)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['lr'\] is 1e\+300, more than torch.float32"):
+        al.train(model, counted(batches, read), build(model.parameters(), lr=1e300),
+                 al.AccumulationPlan(2, 1), al.NextTokenLoss(), progress=False)
+    assert read == []
+    model64 = TinyGPT(VOCAB_SIZE, block_size=8, n_layer=1, n_head=2, n_embd=8).double()
+    ledger = al.train(model64, batches, torch.optim.SGD(model64.parameters(), lr=1e300),
+                      al.AccumulationPlan(2, 1), al.NextTokenLoss(), progress=False)
+    assert ledger.update_attempts == 2
+
+
 def test_valid_numbers_of_every_kind_are_accepted(toy64: nn.Module) -> None:
     batches = [token_batch([(4, 0)], seed=s) for s in range(4)]
     ledger = al.train(
@@ -264,3 +284,20 @@ def test_padding_after_an_oom_shrink_counts_the_halved_padding_and_only_rank_0_s
     assert rank1["padding"] == [0, 0] and rank1["ledger_padding"] == 0
     assert [bar.get("disable", False) for bar in rank0["bar"]] == [False]
     assert [bar.get("disable", False) for bar in rank1["bar"]] == [True]
+
+
+def test_train_settings_are_trains_keyword_arguments_with_its_defaults() -> None:
+    """``TrainSettings`` is built from ``train``'s keywords, so the two lists are one: the
+    same names, in the same order, with the same defaults."""
+    import dataclasses
+    import inspect
+
+    from accumlab.settings import TrainSettings
+
+    keywords = [
+        (p.name, p.default)
+        for p in inspect.signature(al.train).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    fields = [(f.name, f.default) for f in dataclasses.fields(TrainSettings)]
+    assert keywords == fields

@@ -30,10 +30,18 @@ def tiny_gpt2(
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=vocab, n_positions=32, n_embd=16, n_layer=1, n_head=2,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        vocab_size=vocab,
+        n_positions=32,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
         use_cache=False,
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     return GPT2LMHeadModel(config).to(dtype)
 

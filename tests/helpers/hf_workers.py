@@ -208,16 +208,11 @@ def least_squares_scale(g: Tensor, ref: Tensor) -> float:
 
 def apply_fix(report: Any, model: nn.Module, trainer: Any, trainer_class: Any = None,
               **trainer_kw: Any) -> Any:
-    """Run ``report.fix`` as a user would, in a script's namespace; build the Trainer again
-    when the fix says it must run before the Trainer is built. Returns the Trainer to audit."""
+    """Run ``report.fix`` as a user would, in a script's namespace, on the Trainer as
+    built. Returns the Trainer to audit."""
     namespace = {"model": model, "trainer": trainer, "args": trainer.args,
                  "train_dataset": trainer.train_dataset, "data_collator": trainer.data_collator}
     exec(compile(report.fix, "<report.fix>", "exec"), namespace)
-    if report.fix_needs_new_trainer:
-        assert report.fix.startswith("# Run this before the Trainer is built")
-        trainer_kw.setdefault("train_dataset", trainer.train_dataset)
-        return make_trainer(model, trainer.args, trainer_class, **trainer_kw)
-    assert "before the Trainer is built" not in report.fix
     return trainer
 
 
@@ -318,7 +313,6 @@ def version_cases() -> None:
         out[case] = {
             "ok": report.ok, "mistakes": report.mistakes, "scale": report.scale,
             "independent_scale": least_squares_scale(g, ref), "fixed_ok": fixed.ok,
-            "needs_new_trainer": report.fix_needs_new_trainer,
         }
     print(json.dumps(out))
 

@@ -19,10 +19,18 @@ def _ledger(rank: int) -> al.Ledger:
     """A hand-built ledger whose counts differ by rank: rank r read microbatches of up to
     ``3 + 2r`` examples and trained on ``10 + r`` of them in one window."""
     report = al.UpdateReport(
-        index=0, applied=True, examples=10 + rank, targets=20 + rank, global_targets=41,
-        microbatches=2, backward_passes=2, loss=1.0, loss_sum=float(20 + rank), grad_norm=1.0,
+        index=0,
+        applied=True,
+        examples=10 + rank,
+        targets=20 + rank,
+        global_targets=41,
+        microbatches=2,
+        backward_passes=2,
+        loss=1.0,
+        loss_sum=float(20 + rank),
+        grad_norm=1.0,
         data_parallel_size=2,
-    )  # fmt: skip
+    )
     ledger = al.Ledger(largest_microbatch=3 + 2 * rank)
     ledger.record(report)
     return ledger
@@ -67,8 +75,15 @@ def oversized_microbatch_on_one_rank() -> str:
     batches = [{"x": torch.randn(n, 4), "labels": torch.randn(n, 2)} for n in sizes]
     plan = al.AccumulationPlan(2, 2, data_parallel_size=2)
     try:
-        al.train(model, batches, optimizer, plan, al.ExampleLoss(_squared_error),
-                 forward=_call_x, progress=False)  # fmt: skip
+        al.train(
+            model,
+            batches,
+            optimizer,
+            plan,
+            al.ExampleLoss(_squared_error),
+            forward=_call_x,
+            progress=False,
+        )
     except ValueError as exc:
         return str(exc)
     return "no error"

@@ -81,7 +81,12 @@ def build(config: Config, rank: int = 0) -> dict[str, Any]:
     """
     torch.manual_seed(config.seed)
     model: nn.Module = TinyGPT(
-        VOCAB, block_size=config.seq, n_layer=1, n_head=2, n_embd=config.n_embd, dropout=config.dropout
+        VOCAB,
+        block_size=config.seq,
+        n_layer=1,
+        n_head=2,
+        n_embd=config.n_embd,
+        dropout=config.dropout,
     )
     torch.manual_seed(1000 + rank)
     random.seed(1000 + rank)
@@ -100,15 +105,24 @@ def build(config: Config, rank: int = 0) -> dict[str, Any]:
     )
     scaler = torch.amp.GradScaler("cpu", **config.scaler) if config.scaler is not None else None
     meter = MemoryMeter("cpu", budget_bytes=config.budget_bytes) if config.budget_bytes else None
-    data = token_batches(config.microbatches, config.m, config.seq, config.data_seed + rank, 10_000 * rank)
+    data = token_batches(
+        config.microbatches, config.m, config.seq, config.data_seed + rank, 10_000 * rank
+    )
     plan = al.AccumulationPlan(
-        config.m, config.a, data_parallel_size=al.distributed.replicas_of(model),
+        config.m,
+        config.a,
+        data_parallel_size=al.parallel.replicas_of(model),
         last_window=config.last_window,
-    )  # fmt: skip
+    )
     return {
-        "model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
-        "meter": meter, "data": data, "plan": plan,
-    }  # fmt: skip
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "scaler": scaler,
+        "meter": meter,
+        "data": data,
+        "plan": plan,
+    }
 
 
 def examples_of(microbatches: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:

@@ -160,9 +160,15 @@ def one_window(wrapper: str, sync: str, windows: int = 1) -> dict[str, Any]:
         before = counter.syncs if wrapper == "ddp" else counter.calls
         with counter.installed() if wrapper != "ddp" else contextlib.nullcontext():
             al.train_window(
-                model, window, optimizer, al.ExampleLoss(squared_error), forward=call_x,
-                sync=sync, meter=probe if index == 0 else None, index=index,
-            )  # fmt: skip
+                model,
+                window,
+                optimizer,
+                al.ExampleLoss(squared_error),
+                forward=call_x,
+                sync=sync,
+                meter=probe if index == 0 else None,
+                index=index,
+            )
         syncs.append((counter.syncs if wrapper == "ddp" else counter.calls) - before)
     return {
         "gradients": seen,

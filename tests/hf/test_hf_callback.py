@@ -143,7 +143,7 @@ def test_gpt2_from_its_config_warns_and_names_the_cause(tmp_path):
     (window,) = report.windows
     assert window.trainer_count == window.targets + M * A
     assert report.scale == pytest.approx(window.targets / window.trainer_count, rel=1e-4)
-    assert "before the causal shift" in message and 'loss_type = "ForCausalLM"' in report.fix
+    assert "before the causal shift" in message and "trainer.data_collator" in report.fix
 
 
 def test_raise_stops_the_run_before_the_first_update(tmp_path):
@@ -242,7 +242,12 @@ class Regression(torch.nn.Module):
         return {"loss": loss, "logits": prediction}
 
 
-def test_a_job_it_cannot_measure_warns_not_checked_and_never_raises(tmp_path):
+@pytest.mark.parametrize(("m", "a"), [(M, A), (1, A), (1, 1)])
+def test_a_loss_it_does_not_know_is_checked_by_split_invariance_or_not_checked(tmp_path, m, a):
+    """A regression (float labels): no objective the audit knows. The run's own window is
+    joined into one microbatch, (m·A, 1), and split finer where m >= 2 (a mean per
+    microbatch of equal sizes, divided by A: invariant, ok); a window of one microbatch of
+    one example cannot be split otherwise: a warning says so, never an error or an ok."""
     g = torch.Generator().manual_seed(0)
     rows = [
         {"x": torch.randn(3, generator=g), "labels": torch.randn((), generator=g)}
@@ -251,8 +256,8 @@ def test_a_job_it_cannot_measure_warns_not_checked_and_never_raises(tmp_path):
     callback = AuditCallback(on_mistake="raise")
     args = TrainingArguments(
         output_dir=str(tmp_path),
-        per_device_train_batch_size=M,
-        gradient_accumulation_steps=A,
+        per_device_train_batch_size=m,
+        gradient_accumulation_steps=a,
         max_steps=1,
         report_to="none",
         save_strategy="no",
@@ -262,10 +267,17 @@ def test_a_job_it_cannot_measure_warns_not_checked_and_never_raises(tmp_path):
     )
     trainer = Trainer(model=Regression(), args=args, train_dataset=rows, callbacks=[callback])
     trainer.remove_callback(PrinterCallback)
+    if m * a > 1:
+        trainer.train()
+        (report,) = callback.reports
+        assert report.ok and report.invariance, str(report)
+        expected = [(m * a, 1)] + ([(1, m * a)] if m > 1 else [])
+        assert [(s.micro_batch_size, s.accumulation_steps) for s in report.invariance[0].splits] == expected
+        return
     with pytest.warns(AccumulationWarning, match="not checked: the labels are floating point"):
         trainer.train()
     (report,) = callback.reports
-    assert not report.ok and not report.checked
+    assert not report.ok and not report.checked and "cannot be split otherwise" in report.reason
     assert trainer.state.global_step == 1  # the run went on
 
 

@@ -1,5 +1,5 @@
-"""README.md's 'Audit the job you run' shows audit_trainer's report on GPT-2 from its
-config (lesson 08's job): the lines it prints are the ones the audit prints today."""
+"""docs/AUDIT.md shows audit_trainer's report on GPT-2 from its config (lesson 08's job):
+the lines it prints are the ones the audit prints today."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from accumlab.course.data import VOCAB_SIZE, collate, load_examples  # noqa: E402
 from accumlab.hf import audit_trainer  # noqa: E402
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+AUDIT_DOC = Path(__file__).resolve().parents[2] / "docs" / "AUDIT.md"
 
 
 def lesson_08_report() -> str:
@@ -64,14 +64,14 @@ def lesson_08_report() -> str:
         return str(audit_trainer(trainer))
 
 
-def test_the_readme_report_is_what_the_audit_prints():
-    text = README.read_text(encoding="utf-8")
-    section = text.partition("\n### A Hugging Face `Trainer`\n")[2]
+def test_the_documented_report_is_what_the_audit_prints():
+    text = AUDIT_DOC.read_text(encoding="utf-8")
+    section = text.partition("\n## A Hugging Face `Trainer`\n")[2]
     block = re.search(r"^```text\n(.*?)^```$", section, re.DOTALL | re.MULTILINE)
-    assert block, "README.md has no text block under '### A Hugging Face `Trainer`'"
+    assert block, "docs/AUDIT.md has no text block under '## A Hugging Face `Trainer`'"
     shown = block.group(1).rstrip("\n").split("\n")
     printed = lesson_08_report().split("\n")
-    # the README elides the end of the last line it shows with '...'
+    # the page elides the end of the last line it shows with '...'
     *whole, last = shown
     assert last.endswith(", ...")
     assert whole == printed[: len(whole)]

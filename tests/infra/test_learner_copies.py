@@ -181,8 +181,9 @@ def test_a_file_where_a_folder_goes_is_one_clear_line(course, blocked, command):
     my-notebooks (or its backups) is a file: one line naming it and the way out, exit 1."""
     if command == "sync" and blocked != "my-notebooks":
         pytest.skip("sync makes no backups")
-    (course / "tools").mkdir()
-    shutil.copy2(ROOT / "tools" / "learner_copies.py", course / "tools")
+    for part in ("tools/learner_copies.py", "accumlab/atomic_write.py"):  # as in a checkout
+        (course / part).parent.mkdir(exist_ok=True)
+        shutil.copy2(ROOT / part, course / part)
     if blocked != "my-notebooks":
         copies.sync(course)
     (course / blocked).write_text("a file, not a folder")
@@ -231,3 +232,35 @@ def test_fresh_copies_are_marked_trusted_and_the_learners_are_left_alone(course,
     assert copies.main(["restore", "01"], root=course) == 0
     assert "1 marked trusted" in capsys.readouterr().out
     assert trusted(mine)  # the fresh copy of the lesson, not the learner's saved one
+
+
+def test_a_failed_write_of_the_fresh_copy_leaves_the_learners_copy(course, monkeypatch, capsys):
+    """The fresh copy goes through accumlab's one atomic writer: a full disk at the rename
+    leaves the learner's copy as it was (and its backup made), no temporary file, and one
+    line naming the copy and the cause."""
+    copies.sync(course)
+    mine = course / "my-notebooks" / "03_amp_gradscaler.ipynb"
+    mine.write_text('{"my": "answers"}')
+
+    def full_disk(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(copies.atomic_write.os, "replace", full_disk)
+    assert copies.main(["restore", "03"], root=course) == 1
+    assert mine.read_text() == '{"my": "answers"}'
+    (backup,) = (course / "my-notebooks" / "backups").iterdir()
+    assert backup.read_text() == '{"my": "answers"}'
+    assert sorted(p.name for p in mine.parent.iterdir() if p.name.endswith(".tmp")) == []
+    assert capsys.readouterr().err == f"restore: cannot write {mine}: No space left on device\n"
+
+
+def test_the_tool_runs_without_torch(course):
+    """`make restore` runs the tool with the system's Python, which may have no torch: the
+    atomic writer it shares with accumlab is loaded by its path, not through the package."""
+    probe = ("import runpy, sys; sys.modules['torch'] = None  # import torch fails\n"
+             f"tool = runpy.run_path({str(ROOT / 'tools' / 'learner_copies.py')!r})\n"
+             f"sys.exit(tool['main'](['restore', '03'], root=__import__('pathlib').Path({str(course)!r})))")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("created my-notebooks/03_amp_gradscaler.ipynb")
+    assert (course / "my-notebooks" / "03_amp_gradscaler.ipynb").read_text() == '{"lesson": "03_amp_gradscaler"}'

@@ -208,7 +208,7 @@ def test_names_in_the_lessons_text_resolve_to_their_reference_entry():
         "al.train_window(model, window, optimizer)": "accumlab.train_window",
         "accumlab.MemoryMeter": "accumlab.MemoryMeter",
         "MemoryMeter.plot": "accumlab.MemoryMeter",
-        "al.distributed.any_rank": "accumlab.distributed.any_rank",
+        "al.distributed.shard": "accumlab.distributed.shard",
         "ex01.adamw_ratio.check": "accumlab.course.exercises.ex01.adamw_ratio",
         "ex01.adamw_ratio.hint()": "accumlab.course.exercises.ex01.adamw_ratio",
         "train_window": "accumlab.train_window",
