@@ -144,7 +144,13 @@ FIGURES = [
      "07_capstone",
      r"clears_inside +- +(\d\.\d+) [\s\S]*?schedules_per_backward +- +\d\.\d+ +\d+% +(\d\.\d+)"),
     ("08 the Trainer's factor", r"`factor_predicted` = (\d+)/(\d+)", "08_audit_your_job",
-     r"targets / counted = (\d+)/(\d+) = "),
+     r"the gradient is the correct one times \d\.\d+ = (\d+)/(\d+):"),
+    ("08 the audit's measurement",
+     r"the gradient (\d\.\d+) × the\s+correct one, the `Trainer` counting (\d+) labels where the "
+     r"loss scores (\d+) targets", "08_audit_your_job",
+     r"gradient = (\d\.\d+) x correct[\s\S]*?divided by (\d+) counted labels\s+where (\d+) targets"),
+    ("08 the raising callback", r"stopping with (\d+) updates applied", "08_audit_your_job",
+     r"updates applied: (\d+); weights untouched: True"),
 ]
 
 
