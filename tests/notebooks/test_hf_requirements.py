@@ -28,3 +28,27 @@ def test_the_install_cell_asks_for_what_the_hf_extra_requires():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extra = project["optional-dependencies"]["hf"]
     assert sorted(extra) == sorted(_install_cell_needs().values())
+
+
+def test_lesson_08_holds_under_the_oldest_release_the_extra_allows():
+    """make test runs every notebook under the environment's transformers (the newest);
+    this runs 08 under strict nbval with the oldest release the ``hf`` extra allows first on
+    ``PYTHONPATH`` (the folder ``make unit`` installs it in), so a learner whose hosted
+    service has that release sees the saved outputs."""
+    import os
+    import subprocess
+    import sys
+
+    oldest = _install_cell_needs()["transformers"].split(">=")[1]
+    folders = sorted(Path(sys.prefix).glob(f"hf-transformers-{oldest}.*"))
+    if not folders or not (folders[-1] / "transformers").is_dir():
+        pytest.skip(f"no transformers {oldest}.x beside the environment: run make unit (it installs it)")
+    env = dict(os.environ, PYTHONPATH=str(folders[-1]), TQDM_DISABLE="1", OMP_NUM_THREADS="1")
+    probe = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
+                           env=env, capture_output=True, text=True, check=True)
+    assert probe.stdout.strip() == folders[-1].name.removeprefix("hf-transformers-")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
+         "notebooks/08_audit_your_job.ipynb"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:]
