@@ -191,12 +191,38 @@ _base.router_aux_loss_coef = _base.config.router_aux_loss_coef / args.gradient_a
 """
 
 
+_SMOOTHER_UNSHIFTED = """# The Trainer's label smoother scores this model's labels unshifted: it shifts only
+# for a model whose class it knows as a causal LM, and this wrapper's is not one, so
+# each position is scored against its own token, not the next. Keep the smoothing and
+# score the shifted targets with compute_loss_func (which the Trainer calls instead):
+"""
+
+
+def smoother_scores_unshifted(trainer: Any, model: nn.Module) -> bool:
+    """True when the Trainer's label smoother computes this causal LM's loss over the
+    labels unshifted: the Trainer shifts only for a class in its causal-LM mapping (the
+    model, or a PEFT model's base), and a user's wrapper around a causal LM is not one."""
+    from .objectives import is_causal_lm
+
+    if getattr(trainer, "label_smoother", None) is None or getattr(trainer, "compute_loss_func", None) is not None:
+        return False
+    if _compute_loss_overridden(trainer) or not is_causal_lm(model):
+        return False
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    base = model.base_model.model if hasattr(model, "get_base_model") else model
+    return base._get_name() not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
 def invariance_fix(mistakes: list[str], trainer: Any, model: nn.Module, why: str = "") -> str:
     """What to change in a loss the audit does not know: its normalization, keeping every
     term the loss has (``why`` is the reason it is not a loss the audit knows). Code where
-    one is known (the count, a router loss's weight), comments where it is not."""
+    one is known (the count, a router loss's weight, the smoothed causal loss a wrapped
+    causal LM's label smoother misses), comments where it is not."""
     if not mistakes:
         return ""
+    if smoother_scores_unshifted(trainer, model):
+        return _SMOOTHER_UNSHIFTED + _objective_loss("causal", trainer, model)
     names = set(mistakes)
     parts = []
     if "count_before_shift" in names:

@@ -118,3 +118,56 @@ def test_a_router_loss_is_kept_and_its_weight_fixed():
     g, start = hj.applied(trainer)
     assert hj.compare(g, reference(start, 0.1 / hj.A))[1] < 1e-5
 
+
+
+@pytest.mark.parametrize("loss_kwargs", [True, False])
+def test_a_wrapped_causal_lm_with_label_smoothing_is_fixed_keeping_the_smoothing(loss_kwargs):
+    """A causal LM inside the user's own nn.Module (forward taking **kwargs, or named
+    arguments only), label_smoothing_factor 0.1: the Trainer's label smoother does not see
+    a causal LM and scores the labels unshifted. The printed fix must make the real update
+    the smoothed token mean over the shifted targets, keeping the smoothing (before, the
+    audit said count_before_shift or depends_on_split and its fix left the update wrong)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import DataCollatorForLanguageModeling, Trainer
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = hj.causal_lm("gpt2")
+            self.config = self.lm.config  # the Trainer reads model.config
+
+        def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
+            return self.lm(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+
+    if not loss_kwargs:
+        def forward(self, input_ids, attention_mask=None, labels=None):
+            return self.lm(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        Wrapper.forward = forward
+
+    examples = hj.lm_examples()
+
+    def build():
+        return Trainer(model=Wrapper(), args=hj.training_args(label_smoothing_factor=0.1, **hj.SGD),
+                       train_dataset=examples,
+                       data_collator=DataCollatorForLanguageModeling(hj.tokenizer(), mlm=False))
+
+    def reference(model):
+        """The smoothed token mean over the shifted targets, each example alone."""
+        rows = hj.causal_rows(examples)
+        total = sum(len(labels) - 1 for _, labels in rows)
+        loss = sum(F.cross_entropy(model(input_ids=torch.tensor([ids])).logits[0, :-1], torch.tensor(labels[1:]),
+                                   reduction="sum", label_smoothing=0.1) for ids, labels in rows)
+        return hj.gradient(loss / total, model)
+
+    g, start = hj.applied(build())
+    scale, error = hj.compare(g, reference(start))
+    assert error > 0.1  # the job is wrong
+    trainer = build()
+    report = ah.audit_trainer(trainer)
+    assert report.checked and not report.ok, str(report)
+    assert "label smoothing 0.1" in report.objective
+    hj.apply_fix(report, trainer)
+    g, start = hj.applied(trainer)
+    assert hj.compare(g, reference(start))[1] < 1e-5, report.fix
+    assert "unshifted" in report.fix and "label_smoothing=0.1" in report.fix, report.fix  # the cause, smoothing kept
