@@ -4,8 +4,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-# PyTorch: the version the course is tested with, and where pip gets it.
-TORCH_VERSION := 2.13.0
+# The lock: every package of the course's environment at an exact release (pip's -c), so
+# a new release upstream changes nothing until someone moves it (`make lock`; `make
+# latest` reports what the newest releases would change). PyTorch's release is read from it.
+LOCK := constraints.txt
+TORCH_VERSION := $(shell sed -n 's/^torch==//p' $(LOCK))
 TORCH ?= torch==$(TORCH_VERSION)
 # TORCH_INDEX chooses the wheel index for PyTorch only (the other packages come from
 # pip's usual index). Empty, the default: pip's usual index (PyPI), which serves the
@@ -26,7 +29,8 @@ torch_from = $(if $(strip $(TORCH_INDEX)),$(strip $(TORCH_INDEX)) build from $(t
 # pip shows its own progress; PIPFLAGS=-q (as CI sets it) keeps only warnings and errors.
 # (Not PIP_...: pip reads every PIP_* environment variable as one of its own options.)
 PIPFLAGS ?=
-PIP := $(BIN)/python -m pip install --disable-pip-version-check $(PIPFLAGS)
+PIP_UNLOCKED := $(BIN)/python -m pip install --disable-pip-version-check $(PIPFLAGS)
+PIP := $(PIP_UNLOCKED) -c $(LOCK)
 
 # JupyterLab: the port it tries first (it moves to the next free one if taken) and any
 # extra arguments, e.g. LAB_ARGS=--no-browser on a machine without a browser or over SSH.
@@ -63,16 +67,16 @@ TEST_JOBS ?= 2
 # Each stage prints its name and wall time when it ends (tools/timed).
 TIMED := tools/timed
 
-.PHONY: lab restore check test unit nbval nbval-matrix lint notebooks bench bench-peers clean
+.PHONY: lab restore check test unit nbval slow nbval-matrix lint notebooks bench bench-peers clean latest lock
 
 $(BIN)/python:
 	@echo "creating the virtual environment $(VENV) with $(PYTHON) ..."
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed-torch: | $(BIN)/python
+$(VENV)/.installed-torch: $(LOCK) | $(BIN)/python
 	$(if $(strip $(TORCH_INDEX)),@$(BIN)/python tools/reach_index.py $(torch_index_url))
 	@echo "installing PyTorch $(TORCH_VERSION) ($(torch_from)) ..."
-	$(PIP) $(torch_pip_args) "$(TORCH)"
+	@$(TIMED) "install PyTorch" $(PIP) $(torch_pip_args) "$(TORCH)"
 	$(if $(strip $(TORCH_INDEX)),@echo "installing PyTorch's dependencies from pip's usual index ...")
 	$(if $(strip $(TORCH_INDEX)),$(PIP) "$(TORCH)")
 	@touch $@
@@ -80,17 +84,17 @@ $(VENV)/.installed-torch: | $(BIN)/python
 # The package with what the course needs: matplotlib, ipywidgets, tqdm.
 $(VENV)/.installed-core: pyproject.toml $(VENV)/.installed-torch
 	@echo "installing accumlab (editable) with matplotlib, ipywidgets and tqdm ..."
-	$(PIP) -e .
+	@$(TIMED) "install accumlab" $(PIP) -e .
 	@touch $@
 
 $(VENV)/.installed-lab: $(VENV)/.installed-core
 	@echo "installing JupyterLab and Hugging Face transformers (lesson 08 runs a Trainer) ..."
-	$(PIP) -e ".[lab]"
+	@$(TIMED) "install the lab" $(PIP) -e ".[lab]"
 	@touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed-core
 	@echo "installing the test tools (pytest, nbval, hypothesis, ruff) ..."
-	$(PIP) -e ".[dev]"
+	@$(TIMED) "install the test tools" $(PIP) -e ".[dev]"
 	@touch $@
 
 # Serve the repository root; the URL JupyterLab opens or prints (with its token) is the
@@ -118,27 +122,34 @@ restore:
 check: $(VENV)/.installed-core
 	@$(TIMED) "smoke check" $(BIN)/accumlab env --check
 
-# Older transformers releases beside the newest, for tests/hf/test_hf_audit_versions.py
+# Older transformers releases beside the lock's, for tests/hf/test_hf_audit_versions.py
 # (each Trainer counted num_items_in_batch its own way): 4.46.3 (the first with the count),
-# 4.50.3 and 4.57.6, each installed into its own folder with --no-deps and the
-# huggingface_hub / tokenizers range that release declares (datasets 4.0.0: the Trainer
-# imports datasets, and the environment's needs huggingface_hub 1.x), never into the
-# environment; only the tests put a folder on PYTHONPATH, in a subprocess.
+# 4.50.3 and 4.57.6, each installed into its own folder with --no-deps and exact releases
+# of what it needs (huggingface_hub and tokenizers in the ranges that release declares;
+# datasets 4.0.0: the Trainer imports datasets, and the environment's needs
+# huggingface_hub 1.x), never into the environment; only the tests put a folder on
+# PYTHONPATH, in a subprocess. accumlab.hf.TESTED_TRANSFORMERS is these and the lock's.
 HF_OLD := 4.46.3 4.50.3 4.57.6
-HF_PINS_4.46.3 := "huggingface_hub>=0.23.2,<1.0" "tokenizers>=0.20,<0.21"
-HF_PINS_4.50.3 := "huggingface_hub>=0.26.0,<1.0" "tokenizers>=0.21,<0.22"
-HF_PINS_4.57.6 := "huggingface_hub>=0.34,<1.0" "tokenizers>=0.22,<=0.23.0"
+HF_PINS_4.46.3 := "huggingface_hub==0.36.2" "tokenizers==0.20.3"
+HF_PINS_4.50.3 := "huggingface_hub==0.36.2" "tokenizers==0.21.4"
+HF_PINS_4.57.6 := "huggingface_hub==0.36.2" "tokenizers==0.22.2"
 HF_OLD_INSTALLED := $(foreach v,$(HF_OLD),$(VENV)/hf-transformers-$(v)/.installed)
 $(VENV)/hf-transformers-%/.installed: | $(VENV)/.installed-dev
 	@echo "installing transformers $* into $(@D) for the transformers-version test ..."
-	$(PIP) --no-deps --target $(@D) "transformers==$*" $(HF_PINS_$*) "datasets==4.0.0"
+	@$(TIMED) "install transformers $*" $(PIP_UNLOCKED) --no-deps --target $(@D) "transformers==$*" $(HF_PINS_$*) "datasets==4.0.0"
 	@touch $@
 
 lint: $(VENV)/.installed-dev
 	@$(TIMED) lint $(BIN)/ruff check .
 
-unit: $(VENV)/.installed-dev $(HF_OLD_INSTALLED)
-	@$(TIMED) "unit tests" env $(TEST_ENV) $(BIN)/python -m pytest -q tests
+# The unit tests but the slow tier (tests marked slow: each release of transformers beside
+# the lock's, the wheel and fresh environments, the site build). `make slow` runs that
+# tier; .ci/run runs it after `make test`.
+unit: $(VENV)/.installed-dev
+	@$(TIMED) "unit tests" env $(TEST_ENV) $(BIN)/python -m pytest -q -m "not slow" tests
+
+slow: $(VENV)/.installed-dev $(HF_OLD_INSTALLED)
+	@$(TIMED) "slow tests" env $(TEST_ENV) $(BIN)/python -m pytest -q -m slow tests
 
 nbval: $(VENV)/.installed-dev
 	@$(TIMED) "notebooks (strict nbval)" env $(TEST_ENV) $(BIN)/python -m pytest -q -p no:cacheprovider --nbval $(NOTEBOOKS)
@@ -170,7 +181,7 @@ notebooks: $(VENV)/.installed-dev
 site: TORCH_INDEX := $(if $(filter environment command line,$(origin TORCH_INDEX)),$(TORCH_INDEX),cpu)
 $(VENV)/.installed-site: $(VENV)/.installed-core
 	@echo "installing the site tools (Sphinx, myst-nb, sphinx-book-theme, MathJax, copy buttons) ..."
-	$(PIP) -e ".[site]"
+	@$(TIMED) "install the site tools" $(PIP) -e ".[site]"
 	@touch $@
 
 site: $(VENV)/.installed-site
@@ -188,5 +199,16 @@ bench-peers: $(VENV)/.installed-dev
 	$(PIP) -e ".[peers]"
 	$(TEST_ENV) $(BIN)/python benchmarks/peers.py
 
+# The newest release of every package (PyTorch kept at the lock's) in $(VENV)-latest: which
+# releases differ from the lock, and which of the integrations' tests and lessons fail
+# under them. A report: it changes nothing and exits 0 whatever the tests say.
+latest:
+	$(PYTHON) tools/lock.py latest --venv $(VENV)-latest
+
+# Rewrite the lock from a fresh resolution (the newest releases; PINS="transformers==5.25.0"
+# keeps some where you say). Then make test, make notebooks where an output moved.
+lock:
+	$(PYTHON) tools/lock.py write $(PINS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VENV)-latest .pytest_cache .ruff_cache .hypothesis

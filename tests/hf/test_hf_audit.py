@@ -85,7 +85,7 @@ def test_the_issue_table_scale_verdict_and_fix(kind, causes):
 def test_the_tested_releases_are_exactly_the_ones_the_tests_run_and_others_get_a_note(monkeypatch):
     import transformers
 
-    assert ah.TESTED_TRANSFORMERS == ("4.46.3", "4.50.3", "4.57.6", "5.24.0")
+    # the list itself is tied to the lock and the slow tier in tests/infra/test_lock.py
     assert transformers.__version__ in ah.TESTED_TRANSFORMERS  # the environment's, run here
     trainer = hw.make_trainer(hw.model_for("loss_type"))
     assert not any("not a release the audit is tested with" in n for n in ah.audit_trainer(trainer).notes)

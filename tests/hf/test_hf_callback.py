@@ -303,6 +303,7 @@ def test_two_gloo_ranks_agree_and_raise_together():
     assert ranks[0]["loss_type"]["text"] == ranks[1]["loss_type"]["text"]
 
 
+@pytest.mark.slow
 def test_the_callback_under_transformers_4_57():
     """The same callback under the 2025 release the hf extra is tested with (4.57.6, whose
     Trainer counts labels before the shift for every model), in a subprocess that imports

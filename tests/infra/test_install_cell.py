@@ -199,6 +199,7 @@ nbformat.write(nb, sys.argv[3])
 
 
 @pytest.mark.packaging
+@pytest.mark.slow
 def test_notebook_00_runs_in_a_fresh_environment_through_its_install_cell(tmp_path):
     """A fresh venv with PyTorch 2.13.0 and a Jupyter kernel (what a hosted service has)
     but no accumlab; the install cell installs a wheel built from this tree (offered with

@@ -181,31 +181,43 @@ def test_extras_split_the_course_from_the_test_tools():
     assert {"pytest", "nbval", "ruff"} <= {re.split(r"[<>=!~ ]", d)[0] for d in extras["dev"]}
 
 
-def test_ci_installs_the_torch_on_disk_and_runs_make_test():
+def test_ci_installs_the_locks_torch_on_disk_and_runs_make_test_then_the_slow_tier():
     script = (ROOT / ".ci" / "run").read_text()
     (install,) = [line for line in script.splitlines() if "pip install" in line]
-    assert '"torch==2.13.0"' in install and "index-url" not in install
-    assert re.search(r"^make test\b", script, re.MULTILINE)
+    assert '"$torch"' in install and "index-url" not in install
+    # $torch is the lock's exact pin, read the way the script reads it
+    torch = subprocess.run(["bash", "-c", "grep '^torch==' constraints.txt"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert torch == "torch==2.13.0" and "torch=$(grep '^torch==' constraints.txt)" in script
+    # make test first (the README's command), then the slow tier, then the site
+    assert re.search(r"^for stage in test slow site; do$", script, re.MULTILINE)
+    assert 'make "$stage" PIPFLAGS=-q' in script
     assert "TORCH_INDEX" not in script  # never PyTorch's index (a CUDA or remote download)
 
 
-def test_unit_installs_every_transformers_release_the_version_test_runs(tmp_path):
+def test_slow_installs_every_transformers_release_the_version_test_runs(tmp_path):
     """Each release of tests/hf/test_hf_audit_versions.py goes into its own folder, with
-    --no-deps and the huggingface_hub / tokenizers range that release's own metadata
-    declares (datasets 4.0.0, the last that runs on huggingface_hub below 1.0)."""
+    --no-deps and exact releases, inside the ranges that release's own metadata declares,
+    of huggingface_hub and tokenizers (datasets 4.0.0, the last that runs on
+    huggingface_hub below 1.0). ``make slow`` installs them; ``make unit`` does not."""
     spec = importlib.util.spec_from_file_location("versions", ROOT / "tests/hf/test_hf_audit_versions.py")
     versions = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(versions)
-    declared = {  # Requires-Dist of each wheel
-        "4.46.3": '"huggingface_hub>=0.23.2,<1.0" "tokenizers>=0.20,<0.21"',
-        "4.50.3": '"huggingface_hub>=0.26.0,<1.0" "tokenizers>=0.21,<0.22"',
-        "4.57.6": '"huggingface_hub>=0.34,<1.0" "tokenizers>=0.22,<=0.23.0"',
+    declared = {  # Requires-Dist of each wheel: huggingface_hub, tokenizers
+        "4.46.3": (">=0.23.2,<1.0", ">=0.20,<0.21"),
+        "4.50.3": (">=0.26.0,<1.0", ">=0.21,<0.22"),
+        "4.57.6": (">=0.34,<1.0", ">=0.22,<=0.23.0"),
     }
     assert set(versions.EXPECTED) == set(declared)
-    lines = [line for line in pip_lines(dry_run(tmp_path, "unit")) if "transformers==" in line]
+    assert not [x for x in pip_lines(dry_run(tmp_path, "unit")) if "transformers==" in x]
+    lines = [line for line in pip_lines(dry_run(tmp_path, "slow")) if "transformers==" in line]
     assert len(lines) == len(declared)
-    for release, pins in declared.items():
+    from packaging.specifiers import SpecifierSet
+
+    for release, ranges in declared.items():
         (line,) = [x for x in lines if f'"transformers=={release}"' in x]
         target = tmp_path / "venv" / f"hf-transformers-{release}"
         assert f"--no-deps --target {target} " in line
-        assert line.endswith(f'"transformers=={release}" {pins} "datasets==4.0.0"')
+        assert line.endswith('"datasets==4.0.0"') and "-c constraints.txt" not in line
+        hub, tok = (re.search(rf'"{name}==([^"]+)"', line).group(1) for name in ("huggingface_hub", "tokenizers"))
+        assert hub in SpecifierSet(ranges[0]) and tok in SpecifierSet(ranges[1]), (release, hub, tok)

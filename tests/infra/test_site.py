@@ -296,6 +296,7 @@ def test_the_check_names_what_is_broken(tmp_path, breakage, message):
 
 
 @pytest.mark.skipif(not HAVE_SPHINX, reason="needs the site extra: pip install -e '.[site]'")
+@pytest.mark.slow
 def test_make_site_builds_every_lesson_offline_and_the_check_passes(tmp_path):
     out = tmp_path / "site"
     build = subprocess.run(

@@ -30,7 +30,7 @@ import pytest
 import accumlab
 from accumlab._torch_version import MIN_TORCH
 
-pytestmark = pytest.mark.packaging
+pytestmark = [pytest.mark.packaging, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 # Never copied into the build tree: environments, VCS data, caches and earlier outputs.

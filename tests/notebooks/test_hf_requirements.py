@@ -30,6 +30,7 @@ def test_the_install_cell_asks_for_what_the_hf_extra_requires():
     assert sorted(extra) == sorted(_install_cell_needs().values())
 
 
+@pytest.mark.slow
 def test_lesson_08_holds_under_the_oldest_release_the_extra_allows():
     """make test runs every notebook under the environment's transformers (the newest);
     this runs 08 under strict nbval with the oldest release the ``hf`` extra allows first on

@@ -1,0 +1,72 @@
+"""The lock (constraints.txt): the course's environment at exact releases.
+
+``make lab``, ``make test``, ``make site`` and .ci/run install with ``-c constraints.txt``,
+so a release published upstream changes nothing until the lock moves. These tests hold
+the lock to that: exact pins only, the environment the tests run in is the lock's (every
+installed distribution at its locked release), PyTorch's release is the one the Makefile
+installs, and the transformers releases the Trainer audit names as tested are the lock's
+and the older ones the slow tier installs.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import lock  # noqa: E402  (tools/lock.py, by path)
+
+
+def test_every_line_is_an_exact_pin():
+    pins = lock.read_lock()
+    assert len(pins) > 100 and pins["torch"] == "2.13.0"
+    for name in ("transformers", "trl", "peft", "accelerate", "datasets", "lightning",
+                 "jupyterlab", "nbval", "pytest", "sphinx", "ruff", "matplotlib", "ipywidgets"):
+        assert name in pins, name
+
+
+def test_a_line_that_is_not_an_exact_pin_is_refused(tmp_path):
+    bad = tmp_path / "c.txt"
+    bad.write_text("# header\ntorch==2.13.0\ntransformers>=5\n")
+    with pytest.raises(ValueError, match="transformers>=5.*not an exact pin"):
+        lock.read_lock(bad)
+
+
+def test_the_environment_is_the_lock():
+    """Every distribution installed here (but pip and the project itself) is in the lock at
+    exactly its release: a package added to an extra without moving the lock fails here."""
+    pins = lock.read_lock()
+    off = []
+    for dist in md.distributions():
+        name = lock.normalize(dist.metadata["Name"])
+        if name in ("pip", "accumlab", "accumlab-course"):
+            continue
+        version = dist.version.split("+", 1)[0]
+        if pins.get(name) != version:
+            off.append(f"{name} {version} (lock: {pins.get(name, 'missing')})")
+    assert not off, "installed but not as locked: " + ", ".join(sorted(off))
+
+
+def test_the_makefile_installs_the_locks_torch():
+    out = subprocess.run(["make", "-n", "-C", str(ROOT), "VENV=/nonexistent/venv", "check"],
+                         capture_output=True, text=True, check=True).stdout
+    assert '"torch==2.13.0"' in out
+    assert all("-c constraints.txt" in line for line in out.splitlines()
+               if " -m pip install " in line), out
+
+
+def test_the_tested_transformers_releases_are_the_locks_and_the_slow_tiers():
+    ah = pytest.importorskip("accumlab.hf")
+    makefile = (ROOT / "Makefile").read_text()
+    old = re.search(r"^HF_OLD := (.+)$", makefile, re.M).group(1).split()
+    assert ah.TESTED_TRANSFORMERS == (*old, lock.read_lock()["transformers"])
+    # each old release's folder gets exact pins of what it needs
+    for release in old:
+        pins = re.search(rf"^HF_PINS_{re.escape(release)} := (.+)$", makefile, re.M).group(1)
+        assert pins and all("==" in p for p in pins.split()), (release, pins)
