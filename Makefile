@@ -81,20 +81,22 @@ $(VENV)/.installed-torch: $(LOCK) | $(BIN)/python
 	$(if $(strip $(TORCH_INDEX)),$(PIP) "$(TORCH)")
 	@touch $@
 
-# The package with what the course needs: matplotlib, ipywidgets, tqdm.
-$(VENV)/.installed-core: pyproject.toml $(VENV)/.installed-torch
-	@echo "installing accumlab (editable) with matplotlib, ipywidgets and tqdm ..."
-	@$(TIMED) "install accumlab" $(PIP) -e .
+# The library (accumlab: PyTorch and tqdm) and the course beside it (accumlab-course, in
+# course/: the models, data, widgets, plots, exercises and the `accumlab` command, with
+# matplotlib and ipywidgets), both editable.
+$(VENV)/.installed-core: pyproject.toml course/pyproject.toml $(VENV)/.installed-torch
+	@echo "installing accumlab and the course (editable) with matplotlib, ipywidgets and tqdm ..."
+	@$(TIMED) "install accumlab and the course" $(PIP) -e . -e ./course
 	@touch $@
 
 $(VENV)/.installed-lab: $(VENV)/.installed-core
 	@echo "installing JupyterLab and Hugging Face transformers (lesson 08 runs a Trainer) ..."
-	@$(TIMED) "install the lab" $(PIP) -e ".[lab]"
+	@$(TIMED) "install the lab" $(PIP) -e . -e "./course[lab]"
 	@touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed-core
 	@echo "installing the test tools (pytest, nbval, hypothesis, ruff) ..."
-	@$(TIMED) "install the test tools" $(PIP) -e ".[dev]"
+	@$(TIMED) "install the test tools" $(PIP) -e ".[dev]" -e ./course
 	@touch $@
 
 # Serve the repository root; the URL JupyterLab opens or prints (with its token) is the
@@ -181,7 +183,7 @@ notebooks: $(VENV)/.installed-dev
 site: TORCH_INDEX := $(if $(filter environment command line,$(origin TORCH_INDEX)),$(TORCH_INDEX),cpu)
 $(VENV)/.installed-site: $(VENV)/.installed-core
 	@echo "installing the site tools (Sphinx, myst-nb, sphinx-book-theme, MathJax, copy buttons) ..."
-	@$(TIMED) "install the site tools" $(PIP) -e ".[site]"
+	@$(TIMED) "install the site tools" $(PIP) -e ".[site]" -e ./course
 	@touch $@
 
 site: $(VENV)/.installed-site

@@ -1,7 +1,9 @@
-"""``python -m accumlab`` runs the ``accumlab`` command."""
+"""``python -m accumlab``: the ``accumlab`` command comes with the course, not the library."""
 
 import sys
 
-from .cli import main
-
-sys.exit(main())
+sys.exit(
+    "accumlab: the `accumlab` command (train the course's tiny GPT, `accumlab env`) comes with "
+    "the course: install accumlab-course (`make lab`, or pip install ./course from a checkout) "
+    "and run `accumlab` or `python -m accumlab_course`"
+)

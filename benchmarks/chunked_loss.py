@@ -11,7 +11,7 @@ materialized loss (``head(hidden)`` then ``NextTokenLoss``), side by side in one
 3. **Time** of forward + backward, chunked against materialized (the head's matmul and
    the loss, both with their backward), median of paired runs that alternate the order.
    Target: ratio <= 1.5 on this device.
-4. **Payoff** on the tiny GPT (``accumlab.course.models.TinyGPT``) with a 32,000-token
+4. **Payoff** on the tiny GPT (``accumlab_course.models.TinyGPT``) with a 32,000-token
    vocabulary under one fixed memory budget (``MemoryMeter(budget_bytes=...)``): the
    largest microbatch ``m`` each loss fits (two windows of SGD with momentum, no
    out-of-memory error), the ``A`` giving the same effective batch, the time per update of
@@ -36,8 +36,8 @@ import torch
 from torch import Tensor, nn
 
 import accumlab as al
-from accumlab.course.models import TinyGPT
 from accumlab.memory import MemoryMeter, format_bytes
+from accumlab_course.models import TinyGPT
 
 MEMORY_TARGET = 0.15  # × float32 logits bytes
 TIME_TARGET = 1.5  # chunked / materialized, forward + backward

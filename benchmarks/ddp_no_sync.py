@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from accumlab.course import workers
 from accumlab.distributed import launch
+from accumlab_course import workers
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,9 +41,9 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import accumlab as al
-from accumlab.course import data, workers
 from accumlab.distributed import launch, shard
 from accumlab.loop import SYNC
+from accumlab_course import data, workers
 
 TOLERANCE = 1e-6
 

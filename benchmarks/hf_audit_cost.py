@@ -65,8 +65,8 @@ except ImportError:  # pragma: no cover - the message is the point
         'benchmarks/hf_audit_cost.py needs transformers: pip install -e ".[hf]"'
     ) from None
 
-from accumlab.course.data import VOCAB_SIZE, collate, load_examples
 from accumlab.hf import AuditCallback
+from accumlab_course.data import VOCAB_SIZE, collate, load_examples
 
 RUNS = ("plain", "audited", "after")
 

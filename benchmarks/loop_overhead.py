@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import accumlab as al
-from accumlab.course.data import VOCAB_SIZE, load_examples, microbatches
-from accumlab.course.models import TinyGPT
+from accumlab_course.data import VOCAB_SIZE, load_examples, microbatches
+from accumlab_course.models import TinyGPT
 
 IGNORE = -100
 Batch = dict[str, Tensor]

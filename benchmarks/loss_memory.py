@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import accumlab as al
-from accumlab.course.models import TinyGPT
 from accumlab.memory import MemoryMeter, format_bytes
+from accumlab_course.models import TinyGPT
 
 TARGET = 1.0  # float32 logits-sized buffers the new loss may add in float32
 LossFn = Callable[[Tensor, Mapping[str, Tensor]], Tensor]

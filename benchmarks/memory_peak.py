@@ -28,9 +28,9 @@ import sys
 import torch
 
 import accumlab as al
-from accumlab.course.data import VOCAB_SIZE, collate, load_examples
-from accumlab.course.models import TinyGPT
 from accumlab.memory import MemoryMeter, format_bytes
+from accumlab_course.data import VOCAB_SIZE, collate, load_examples
+from accumlab_course.models import TinyGPT
 
 TARGET = 0.2
 

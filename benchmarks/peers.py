@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from loop_overhead import IGNORE, Batch, hand_written, with_accumlab
 
-from accumlab.course.data import VOCAB_SIZE, load_examples, microbatches
-from accumlab.course.models import TinyGPT
+from accumlab_course.data import VOCAB_SIZE, load_examples, microbatches
+from accumlab_course.models import TinyGPT
 
 Loop = Callable[[TinyGPT, Sequence[Batch], torch.optim.Optimizer, int], object]
 

@@ -29,9 +29,9 @@ import time
 import torch
 
 import accumlab as al
-from accumlab.course.data import VOCAB_SIZE, load_examples, microbatches
-from accumlab.course.models import TinyGPT
 from accumlab.precision import PRECISIONS
+from accumlab_course.data import VOCAB_SIZE, load_examples, microbatches
+from accumlab_course.models import TinyGPT
 
 
 def _sync(device: torch.device) -> None:

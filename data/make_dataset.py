@@ -1,6 +1,6 @@
 """Generate the small instruction data set shipped with accumlab.
 
-The file ships inside the package as ``accumlab/course/instructions.jsonl`` (package
+The file ships inside the package as ``course/accumlab_course/instructions.jsonl`` (package
 data, so an installed wheel carries it). Each line is one JSON object with the keys ``id``
 (0..N-1), ``prompt`` and ``response``. The tasks are character puzzles a tiny
 character-level model picks up quickly (reverse, upper-case, repeat, count, sort),
@@ -10,7 +10,7 @@ what makes token weighting (notebook 02) visible.
 
 Usage (standard library only, deterministic for a given seed):
 
-    python data/make_dataset.py           # write accumlab/course/instructions.jsonl
+    python data/make_dataset.py           # write course/accumlab_course/instructions.jsonl
     python data/make_dataset.py --check   # exit 1 if the committed file is stale
 """
 
@@ -28,7 +28,7 @@ SEED = 1234
 NUM_EXAMPLES = 2000
 MAX_SEQ_CHARS = 127  # prompt + response + one end-of-sequence token
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
-OUTPUT_PATH = Path(__file__).resolve().parents[1] / "accumlab" / "course" / "instructions.jsonl"
+OUTPUT_PATH = Path(__file__).resolve().parents[1] / "course" / "accumlab_course" / "instructions.jsonl"
 
 
 def _word(rng: random.Random, min_len: int, max_len: int) -> str:

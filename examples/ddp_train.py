@@ -25,8 +25,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from accumlab import distributed
-from accumlab.cli import parse_positive_int, parse_seed
-from accumlab.course import workers
+from accumlab_course import workers
+from accumlab_course.cli import parse_positive_int, parse_seed
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -13,7 +13,7 @@ import torch
 from helpers.models import CausalToy, small_gpt
 from hypothesis import settings
 
-from accumlab.course.models import TinyGPT
+from accumlab_course.models import TinyGPT
 
 # CI runs the property tests with a fixed seed: a red build must be reproducible, and
 # exploring fresh random cases is for local runs.
@@ -42,6 +42,6 @@ def _exercise_messages_on_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """Checkers print their verdicts and hints wrapped at 88 characters for the notebooks;
     tests read them on one line, so a phrase they look for is never cut by a line break.
     ``tests/course/test_exercise_messages.py`` checks the wrapping itself."""
-    import accumlab.course.exercises as exercises
+    import accumlab_course.exercises as exercises
 
     monkeypatch.setattr(exercises, "WIDTH", None)

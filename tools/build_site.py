@@ -445,10 +445,10 @@ def lesson_exercises(stem: str, nb: dict) -> list[dict]:
     module does not define raises SiteError."""
     number = stem[:2]
     try:
-        module = importlib.import_module(f"accumlab.course.exercises.ex{number}")
+        module = importlib.import_module(f"accumlab_course.exercises.ex{number}")
     except ModuleNotFoundError:
         module = None
-    from accumlab.course.exercises import Exercise
+    from accumlab_course.exercises import Exercise
 
     defined = {n: v for n, v in vars(module).items() if isinstance(v, Exercise)} if module else {}
     bullets = _docstring_bullets(module.__doc__ if module else "")
@@ -467,7 +467,7 @@ def lesson_exercises(stem: str, nb: dict) -> list[dict]:
             if name not in defined:
                 raise SiteError(
                     f"notebooks/{stem}.ipynb checks ex{number}.{name}, which "
-                    f"accumlab/course/exercises/ex{number}.py does not define"
+                    f"course/accumlab_course/exercises/ex{number}.py does not define"
                 )
             exercise = defined[name]
             comment = re.search(rf"^\w*{name}\w*\s*=\s*\.\.\.\s*#\s*(.+)$", cell["source"], re.M)
@@ -525,7 +525,7 @@ def exercises_page(lessons: list[tuple[str, str, list[dict]]]) -> str:
         "# Exercises",
         "",
         f"The course's {total} exercises, lesson by lesson, read from the notebooks and their "
-        "checkers (`accumlab.course.exercises`). *Predict first* asks for a number or a choice "
+        "checkers (`accumlab_course.exercises`). *Predict first* asks for a number or a choice "
         "before the cell that measures it; *write code* asks for a function a checker runs on "
         "fresh inputs and that names the mistake it finds. On each lesson's page, the hints "
         "and the solution are folded under the exercise; in the notebook, "
@@ -723,7 +723,7 @@ def api_entries() -> str:
         helpers.append(f".. automodule:: {module_name}\n   :members:\n   :undoc-members:\n")
     parts.append(section(
         "Course helpers",
-        "`accumlab.course`: what the notebooks use apart from the library (models, data, "
+        "`accumlab_course`: what the notebooks use apart from the library (models, data, "
         "widgets, plots, the distributed workers). Not part of the library's contract.",
         helpers,
     ))
@@ -732,10 +732,10 @@ def api_entries() -> str:
 
 
 def course_helper_modules() -> list[str]:
-    """accumlab.course's modules (not the exercises, documented on their own)."""
+    """accumlab_course's modules (not the exercises, documented on their own)."""
     return [
-        f"accumlab.course.{p.stem}"
-        for p in sorted((REPO / "accumlab" / "course").glob("*.py"))
+        f"accumlab_course.{p.stem}"
+        for p in sorted((REPO / "course" / "accumlab_course").glob("*.py"))
         if not p.stem.startswith("_")
     ]
 
@@ -743,28 +743,28 @@ def course_helper_modules() -> list[str]:
 def exercise_reference() -> str:
     """The reference section of the checkers: the Exercise class, then every exercise of
     every exNN module, linked to the lesson that uses it."""
-    exercises = importlib.import_module("accumlab.course.exercises")
+    exercises = importlib.import_module("accumlab_course.exercises")
     entries = [
-        ".. autoclass:: accumlab.course.exercises.Exercise\n   :members: check, hint, solution, path\n",
+        ".. autoclass:: accumlab_course.exercises.Exercise\n   :members: check, hint, solution, path\n",
     ]
     for path in sorted(Path(exercises.__file__).parent.glob("ex[0-9][0-9].py")):
-        module = importlib.import_module(f"accumlab.course.exercises.{path.stem}")
+        module = importlib.import_module(f"accumlab_course.exercises.{path.stem}")
         lesson = next((p.stem for p in lesson_notebooks() if p.name[:2] == path.stem[2:]), None)
         where = f":doc:`lesson {path.stem[2:]} </{LESSONS_DIR}/{lesson}>`" if lesson else "no lesson yet"
-        entries.append(f".. py:module:: accumlab.course.exercises.{path.stem}\n")
+        entries.append(f".. py:module:: accumlab_course.exercises.{path.stem}\n")
         bullets = _docstring_bullets(module.__doc__ or "")
         for name, value in vars(module).items():
             if not isinstance(value, exercises.Exercise):
                 continue
             text = bullets.get(name, "").replace("`", "``").replace("````", "``")
             entries.append(
-                f".. py:data:: {name}\n   :module: accumlab.course.exercises.{path.stem}\n\n"
+                f".. py:data:: {name}\n   :module: accumlab_course.exercises.{path.stem}\n\n"
                 f"   Exercise of {where}: ``{path.stem}.{name}.check(answer)``, "
                 f"``.hint(n)``, ``.solution()`` ({len(value.hints)} hints).\n"
                 + (f"   {text}\n" if text else "")
             )
     return (
-        "## Exercise checkers\n\n`accumlab.course.exercises`: one module per lesson; each "
+        "## Exercise checkers\n\n`accumlab_course.exercises`: one module per lesson; each "
         "exercise is an `Exercise` with `check`, `hint` and `solution` (the "
         f"[exercise index](../{EXERCISES_PAGE}) lists them by lesson).\n\n"
         "```{eval-rst}\n" + "\n".join(entries) + "```\n"

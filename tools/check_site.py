@@ -169,7 +169,7 @@ def public_names() -> dict[str, list[str]]:
     package, not from the page builder): ``accumlab.__all__``, each subpackage's
     ``__all__`` (one that cannot be imported for a missing optional dependency is left
     out), the functions and classes defined in each course helper module, and every
-    exercise of every ``accumlab.course.exercises.exNN``."""
+    exercise of every ``accumlab_course.exercises.exNN``."""
     import accumlab
 
     names: dict[str, list[str]] = {"accumlab": [], "course helpers": [], "exercises": []}
@@ -188,18 +188,18 @@ def public_names() -> dict[str, list[str]]:
             continue
         if hasattr(module, "__all__"):  # a subpackage that declares its public names
             names[f"accumlab.{sub}"] = [f"accumlab.{sub}.{n}" for n in module.__all__]
-    for path in sorted((REPO / "accumlab" / "course").glob("*.py")):
+    for path in sorted((REPO / "course" / "accumlab_course").glob("*.py")):
         if path.stem.startswith("_"):
             continue
-        module = importlib.import_module(f"accumlab.course.{path.stem}")
+        module = importlib.import_module(f"accumlab_course.{path.stem}")
         for name, value in vars(module).items():
             if name.startswith("_") or getattr(value, "__module__", None) != module.__name__:
                 continue
             if inspect.isfunction(value) or inspect.isclass(value):
                 names["course helpers"].append(f"{module.__name__}.{name}")
-    exercises = importlib.import_module("accumlab.course.exercises")
-    for path in sorted((REPO / "accumlab" / "course" / "exercises").glob("ex[0-9][0-9].py")):
-        module = importlib.import_module(f"accumlab.course.exercises.{path.stem}")
+    exercises = importlib.import_module("accumlab_course.exercises")
+    for path in sorted((REPO / "course" / "accumlab_course" / "exercises").glob("ex[0-9][0-9].py")):
+        module = importlib.import_module(f"accumlab_course.exercises.{path.stem}")
         for name, value in vars(module).items():
             if isinstance(value, exercises.Exercise):
                 names["exercises"].append(f"{module.__name__}.{name}")

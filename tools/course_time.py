@@ -78,8 +78,8 @@ class NotebookTime:
 
 
 def _kind(module: str, name: str) -> str:
-    """``"exercise"`` or ``"prediction"``: what ``accumlab.course.exercises.<module>.<name>`` is."""
-    exercise = getattr(importlib.import_module(f"accumlab.course.exercises.{module}"), name)
+    """``"exercise"`` or ``"prediction"``: what ``accumlab_course.exercises.<module>.<name>`` is."""
+    exercise = getattr(importlib.import_module(f"accumlab_course.exercises.{module}"), name)
     kind = getattr(exercise, "kind", None)
     if kind not in ("exercise", "prediction"):
         raise ValueError(f"{module}.{name} is not an exercise (kind {kind!r})")

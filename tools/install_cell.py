@@ -3,16 +3,17 @@
     .venv/bin/python tools/install_cell.py notebooks/*.ipynb          # insert, or update in place
     .venv/bin/python tools/install_cell.py --check notebooks/*.ipynb  # exit 1 if one lacks it or is stale
 
-The cell does nothing where accumlab is importable (this repository's .venv, CI, a
-machine that installed the package: ``importlib.util.find_spec``, without importing it),
-and prints nothing there, so its saved output is
-empty and stable under nbval. Elsewhere (a hosted notebook service, a bare Jupyter) it
-pip-installs accumlab into the kernel's environment, from the repository URL in
-pyproject.toml's ``[project.urls]`` (``--release`` pins the released version from PyPI
-instead), and installs PyTorch's CPU build first where no PyTorch is installed (a plain
-``pip install torch`` on Linux downloads gigabytes of CUDA libraries).
-``ACCUMLAB_INSTALL_SOURCE`` in the kernel's environment replaces the source (a wheel file,
-a directory, a pip requirement): the tests install a locally built wheel that way.
+The cell does nothing where the course is importable (this repository's .venv, CI, a
+machine that installed it: ``importlib.util.find_spec("accumlab_course")``, without
+importing it), and prints nothing there, so its saved output is empty and stable under
+nbval. Elsewhere (a hosted notebook service, a bare Jupyter) it pip-installs the library
+and the course (``accumlab`` and ``accumlab-course``, from ``course/``) into the kernel's
+environment, from the repository URL in pyproject.toml's ``[project.urls]`` (``--release``
+pins the released versions from PyPI instead), and installs PyTorch's CPU build first
+where no PyTorch is installed (a plain ``pip install torch`` on Linux downloads gigabytes
+of CUDA libraries). ``ACCUMLAB_INSTALL_SOURCE`` in the kernel's environment replaces the
+sources (wheel files, directories or pip requirements, separated by ``os.pathsep``): the
+tests install locally built wheels that way.
 
 Running the tool again replaces the cell's source with the current one (found by its id
 or its first line), never adds a second one. Only the cell's source is written: outputs,
@@ -33,7 +34,7 @@ sys.path.insert(0, str(REPO / "tools"))
 from build_site import BRANCH, INSTALL_CELL_ID, project_urls, tomllib  # noqa: E402
 
 CELL_ID = INSTALL_CELL_ID  # the site's run box says "the first code cell installs" when present
-FIRST_LINE = "# Runs anywhere: installs accumlab where it is missing; silent where it is installed."
+FIRST_LINE = "# Runs anywhere: installs the course where it is missing; silent where it is installed."
 TORCH_CPU = "https://download.pytorch.org/whl/cpu"  # PyTorch's CPU build, ~190 MB
 
 _TEMPLATE = '''{first_line}
@@ -42,33 +43,37 @@ import os
 import subprocess
 import sys
 
-if importlib.util.find_spec("accumlab") is None:  # a hosted service, a bare Jupyter
-    default = "{source}"
-    source = os.environ.get("ACCUMLAB_INSTALL_SOURCE", default)
+if importlib.util.find_spec("accumlab_course") is None:  # a hosted service, a bare Jupyter
+    given = os.environ.get("ACCUMLAB_INSTALL_SOURCE")
+    sources = given.split(os.pathsep) if given else ["{library}", "{course}"]
     pip = [sys.executable, "-m", "pip", "install", "--quiet"]
     if importlib.util.find_spec("torch") is None:
         print("installing PyTorch 2.13.0, CPU build ...")
         cpu = "{torch}"
         subprocess.run(pip + ["torch==2.13.0", "--index-url", cpu], check=True)
-    print(f"installing accumlab from {{source}} ...")
-    subprocess.run(pip + [source], check=True)
+    print(f"installing accumlab and the course from {{', '.join(sources)}} ...")
+    subprocess.run(pip + sources, check=True)
     importlib.invalidate_caches()'''
 
 
-def install_source(release: bool = False, pyproject: Path = REPO / "pyproject.toml") -> str:
-    """What the cell installs: ``accumlab @ git+<Repository>@<branch>``, or with ``release``
-    the pinned version of pyproject.toml from the package index."""
+def install_source(release: bool = False, pyproject: Path = REPO / "pyproject.toml") -> tuple[str, str]:
+    """What the cell installs, the library and the course: ``accumlab @ git+<Repository>@<branch>``
+    and ``accumlab-course @ git+<Repository>@<branch>#subdirectory=course``, or with
+    ``release`` the pinned version of pyproject.toml of each from the package index."""
     if release:
         version = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["version"]
-        return f"accumlab=={version}"
-    return f"accumlab @ git+{project_urls(pyproject)['Repository']}@{BRANCH}"
+        return f"accumlab=={version}", f"accumlab-course=={version}"
+    url = f"git+{project_urls(pyproject)['Repository']}@{BRANCH}"
+    return f"accumlab @ {url}", f"accumlab-course @ {url}#subdirectory=course"
 
 
-def cell_source(source: str) -> str:
-    """The install cell's code, installing ``source`` by default."""
-    if '"' in source or "\\" in source:
-        raise ValueError(f"the install source must not hold quotes or backslashes, got {source!r}")
-    return _TEMPLATE.format(first_line=FIRST_LINE, source=source, torch=TORCH_CPU)
+def cell_source(source: tuple[str, str]) -> str:
+    """The install cell's code, installing the library and the course from ``source``."""
+    for one in source:
+        if '"' in one or "\\" in one:
+            raise ValueError(f"an install source must not hold quotes or backslashes, got {one!r}")
+    library, course = source
+    return _TEMPLATE.format(first_line=FIRST_LINE, library=library, course=course, torch=TORCH_CPU)
 
 
 def _is_install_cell(cell: dict) -> bool:
@@ -76,7 +81,7 @@ def _is_install_cell(cell: dict) -> bool:
     return cell.get("id") == CELL_ID or text.startswith(FIRST_LINE.split(";")[0])
 
 
-def apply(nb: dict, source: str) -> bool:
+def apply(nb: dict, source: tuple[str, str]) -> bool:
     """Insert or update the install cell of notebook ``nb`` (a dict as json.load gives);
     returns whether ``nb`` changed. It goes right before the first code cell."""
     if nb.get("nbformat", 0) < 4:

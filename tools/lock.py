@@ -27,9 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "constraints.txt"
-#: The extras that make up the course's environment: what `make lab`, `make test` and
-#: `make site` install together.
-EXTRAS = "lab,dev,site,peers"
+#: What makes up the course's environment: what `make lab`, `make test` and `make site`
+#: install together (the library with its extras, the course with JupyterLab).
+PROJECTS = ["-e", f"{ROOT}[dev,site,peers,hf,lightning]", "-e", f"{ROOT / 'course'}[lab]"]
 #: What ``latest`` runs: the tests of the optional integrations and the lessons that use them.
 LATEST_TESTS = ["tests/hf", "tests/lightning", "tests/rl"]
 LATEST_NOTEBOOKS = ["notebooks/08_audit_your_job.ipynb", "notebooks/09_who_divides_by_what.ipynb"]
@@ -82,8 +82,8 @@ def build(venv: Path, pins: list[str]) -> Path:
         constraints = f.name
     try:
         run([*pip, torch], check=True)
-        run([*pip, "--upgrade", "--upgrade-strategy", "eager", "-c", constraints,
-             "-e", f"{ROOT}[{EXTRAS}]"], check=True)
+        run([*pip, "--upgrade", "--upgrade-strategy", "eager", "-c", constraints, *PROJECTS],
+            check=True)
     finally:
         os.unlink(constraints)
     return python

@@ -66,7 +66,7 @@ def example_ids_in(batches: Iterable[Mapping[str, Any]]) -> list[int]:
         if "example_ids" not in batch:
             raise ValueError(
                 f"microbatch {i} has no 'example_ids' entry (keys: {sorted(batch)}); add one "
-                "tensor of ids per row (accumlab.course.data.collate does) to check coverage"
+                "tensor of ids per row (accumlab_course.data.collate does) to check coverage"
             )
         ids.extend(int(x) for x in batch["example_ids"].reshape(-1).tolist() if x != PADDING_ID)
     return ids

@@ -180,7 +180,7 @@ def _check_importable(fn: Callable[..., Any]) -> None:
     if "<lambda>" in name or "<locals>" in name or in_notebook:
         raise ValueError(
             f"launch needs a function defined at the top level of an importable module "
-            f"(such as accumlab.course.workers), got {module}.{name}: spawned processes start "
+            f"(such as accumlab_course.workers), got {module}.{name}: spawned processes start "
             "a fresh interpreter and cannot see lambdas, nested functions or notebook cells"
         )
 

@@ -1,7 +1,7 @@
 """Record what a Hugging Face ``Trainer`` trains on and the gradient it would apply.
 
 A :class:`TrainerCapture` is the audit's eye inside the Trainer's own training path. It
-differs from the course's ``accumlab.course.plots.WindowRecorder`` (which draws the
+differs from the course's ``accumlab_course.plots.WindowRecorder`` (which draws the
 timeline of a window loop a lesson writes) and from the loop audit's watch: it captures
 the microbatches a ``Trainer`` hands its own ``training_step``, on the job's real data. Its internal API (used by :func:`accumlab.hf.audit_trainer` and by a Trainer callback):
 

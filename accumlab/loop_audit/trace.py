@@ -9,7 +9,7 @@ reference to every tensor each window created. :func:`window_changes` says what 
 changed in its window.
 
 It runs no clock and draws nothing: the course's ``TimelineRecorder``
-(:mod:`accumlab.course.plots`) records *when* each step of a window ran, to draw a
+(:mod:`accumlab_course.plots`) records *when* each step of a window ran, to draw a
 time-line; this records *what* reached each update, to fit it.
 """
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from accumlab.cli import main
+from accumlab_course.cli import main
 
 
 def test_plan_prints_the_product(capsys):
@@ -79,7 +79,7 @@ def test_env_check_fails_with_one_clear_line(monkeypatch, capsys):
 
 
 def test_check_devices_follow_what_torch_reports():
-    from accumlab.course.environment import check_devices
+    from accumlab_course.environment import check_devices
 
     assert check_devices({"gpus": [], "mps": False}) == ["cpu"]
     assert check_devices({"gpus": ["A", "B"], "mps": False}) == ["cpu", "cuda:0", "cuda:1"]
@@ -162,7 +162,7 @@ def test_command_line_error_is_one_line_without_traceback(tmp_path):
 
     (tmp_path / "blocker").write_text("")
     result = subprocess.run(
-        [sys.executable, "-m", "accumlab", *TINY, "--record", str(tmp_path / "blocker" / "r.json")],
+        [sys.executable, "-m", "accumlab_course", *TINY, "--record", str(tmp_path / "blocker" / "r.json")],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 1

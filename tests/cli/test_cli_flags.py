@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from accumlab.cli import FLOAT32_MAX, MAX_LR, MAX_SEED, main
+from accumlab_course.cli import FLOAT32_MAX, MAX_LR, MAX_SEED, main
 
 TINY = ["train", "--micro", "2", "--steps", "2", "--updates", "1", "--examples", "8", "--quiet"]
 

@@ -6,7 +6,7 @@ import importlib.metadata
 
 import pytest
 
-from accumlab.course import environment
+from accumlab_course import environment
 
 
 def _missing(name: str) -> str:

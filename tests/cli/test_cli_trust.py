@@ -18,7 +18,7 @@ from helpers import commands  # tests/helpers/commands.py
 from helpers.commands import one_line
 
 from accumlab import checkpoint
-from accumlab.cli import build_parser, main
+from accumlab_course.cli import build_parser, main
 
 TINY = ["train", "--micro", "2", "--steps", "2", "--updates", "1", "--examples", "8", "--quiet"]
 SMALL = ["train", "--micro", "2", "--steps", "2", "--examples", "24", "--quiet"]
@@ -255,7 +255,7 @@ def test_a_checkpoint_of_another_format_is_one_line_and_exit_1(ckpt_run, capsys)
 LIMITED = """import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]),) * 2)
-from accumlab.cli import main
+from accumlab_course.cli import main
 sys.exit(main(sys.argv[2:]))
 """
 

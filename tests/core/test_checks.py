@@ -14,8 +14,8 @@ from torch import Tensor, nn
 
 import accumlab as al
 from accumlab.checks import accumulated_gradient, full_batch_gradient
-from accumlab.course.data import make_classification
-from accumlab.course.models import MLP
+from accumlab_course.data import make_classification
+from accumlab_course.models import MLP
 
 
 def mlp64(seed: int = 0) -> MLP:

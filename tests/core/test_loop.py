@@ -20,7 +20,7 @@ from helpers.models import IGNORE, LevelLM, OneWeight, loss_is_output, small_gpt
 from torch import Tensor, nn
 
 import accumlab as al
-from accumlab.course.data import VOCAB_SIZE, load_examples, microbatches
+from accumlab_course.data import VOCAB_SIZE, load_examples, microbatches
 
 # --------------------------------------------------------------------- helpers
 

@@ -13,9 +13,9 @@ from helpers.batches import level_batch, targets_of, token_batch
 from helpers.models import IGNORE, LevelLM, small_gpt
 
 import accumlab as al
-from accumlab.course.data import VOCAB_SIZE
 from accumlab.memory import MemoryMeter
 from accumlab.objectives import check_batch, count_window, logits_of
+from accumlab_course.data import VOCAB_SIZE
 
 # ------------------------------------------------------------------ NextTokenLoss.count
 

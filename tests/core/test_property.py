@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import accumlab as al
-from accumlab.course.data import VOCAB_SIZE
-from accumlab.course.models import MLP
+from accumlab_course.data import VOCAB_SIZE
+from accumlab_course.models import MLP
 
 RTOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 SETTINGS = settings(deadline=None, max_examples=30, suppress_health_check=[HealthCheck.too_slow])

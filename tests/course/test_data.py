@@ -1,4 +1,4 @@
-"""Tests for accumlab.course.data and the committed data set generator."""
+"""Tests for accumlab_course.data and the committed data set generator."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from types import ModuleType
 import pytest
 import torch
 
-import accumlab.course.data as data_module
-from accumlab.course.data import (
+import accumlab_course.data as data_module
+from accumlab_course.data import (
     DATA_PATH,
     EOS_ID,
     PAD_ID,

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from accumlab.course.exercises import ex00, ex01, ex02, ex03, ex04, ex05, ex06
+from accumlab_course.exercises import ex00, ex01, ex02, ex03, ex04, ex05, ex06
 
 # --------------------------------------------------------------------------- 00
 

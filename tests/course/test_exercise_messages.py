@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-import accumlab.course.exercises as exercises
-from accumlab.course.exercises import (
+import accumlab_course.exercises as exercises
+from accumlab_course.exercises import (
     Exercise,
     ex00,
     ex01,

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from accumlab import AccumulationPlan
-from accumlab.course.exercises import ex00, ex01
+from accumlab_course.exercises import ex00, ex01
 
 torch.set_num_threads(1)
 

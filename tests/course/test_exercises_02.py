@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import accumlab as al
-from accumlab.course.exercises import ex02
+from accumlab_course.exercises import ex02
 
 
 def _flat_ce(logits: Tensor, labels: Tensor, **kwargs: object) -> Tensor:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from accumlab.course.exercises import NOT_ATTEMPTED, ex03, ex04
+from accumlab_course.exercises import NOT_ATTEMPTED, ex03, ex04
 
 # ---------------------------------------------------------------- 03: the boundary
 

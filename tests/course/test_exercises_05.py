@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from accumlab.course.exercises import NOT_ATTEMPTED, ex05
+from accumlab_course.exercises import NOT_ATTEMPTED, ex05
 
 torch.set_num_threads(1)
 

@@ -11,9 +11,9 @@ import torch
 from torch import Tensor, nn
 
 import accumlab as al
-from accumlab.course.data import VOCAB_SIZE, collate, load_examples, microbatches
-from accumlab.course.exercises import NOT_ATTEMPTED, ex06
-from accumlab.course.models import TinyGPT
+from accumlab_course.data import VOCAB_SIZE, collate, load_examples, microbatches
+from accumlab_course.exercises import NOT_ATTEMPTED, ex06
+from accumlab_course.models import TinyGPT
 
 torch.set_num_threads(1)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from accumlab.course.exercises import NOT_ATTEMPTED, ex07
+from accumlab_course.exercises import NOT_ATTEMPTED, ex07
 
 
 def _mean_loss(model, mb):
@@ -451,8 +451,8 @@ def test_symptoms_show_each_mistake():
 def test_the_updates_prediction_holds_for_the_run():
     # 512 examples at 16 per update, whatever m the first window shrinks to.
     import accumlab as al
-    from accumlab.course.data import VOCAB_SIZE, load_examples, microbatches
-    from accumlab.course.models import TinyGPT
+    from accumlab_course.data import VOCAB_SIZE, load_examples, microbatches
+    from accumlab_course.models import TinyGPT
 
     torch.manual_seed(0)
     model = TinyGPT(VOCAB_SIZE, n_layer=1, n_embd=16)

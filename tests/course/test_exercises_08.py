@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from accumlab.course.data import collate, load_examples
-from accumlab.course.exercises import NOT_ATTEMPTED, ex08
+from accumlab_course.data import collate, load_examples
+from accumlab_course.exercises import NOT_ATTEMPTED, ex08
 
 
 def test_the_counts_are_the_notebook_windows():

@@ -1,4 +1,4 @@
-"""Tests for accumlab.course.models: shapes, causality, row independence, checkpointing."""
+"""Tests for accumlab_course.models: shapes, causality, row independence, checkpointing."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from accumlab.course.data import VOCAB_SIZE, collate, load_examples, microbatches
-from accumlab.course.models import MLP, CausalLMOutput, TinyGPT, count_parameters
+from accumlab_course.data import VOCAB_SIZE, collate, load_examples, microbatches
+from accumlab_course.models import MLP, CausalLMOutput, TinyGPT, count_parameters
 
 
 def small_gpt(**kwargs: object) -> TinyGPT:

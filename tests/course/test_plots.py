@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from accumlab.course.plots import (  # noqa: E402
+from accumlab_course.plots import (  # noqa: E402
     EVENT_KINDS,
     RunCurve,
     TimelineRecorder,
@@ -213,7 +213,7 @@ def test_plot_updates_and_examples_rejects_bad_runs():
 def _mlp_window(a=3, seed=0):
     import torch
 
-    from accumlab.course.models import MLP
+    from accumlab_course.models import MLP
 
     torch.manual_seed(seed)
     model = MLP(6, 12, 3)
@@ -413,8 +413,8 @@ def test_plot_window_timeline_draws_a_labelled_box_per_event():
 
 @pytest.mark.distributed
 def test_ddp_window_timeline_syncs_once_with_no_sync_and_a_times_without():
-    from accumlab.course import workers
     from accumlab.distributed import launch
+    from accumlab_course import workers
 
     a = 3
     for sync, expected in (("window", 1), ("microbatch", a)):
@@ -435,8 +435,8 @@ def test_ddp_window_timeline_syncs_once_with_no_sync_and_a_times_without():
 
 
 def test_the_memory_plots_draw_a_bar_per_phase_and_part() -> None:
-    from accumlab.course.plots import plot_memory_breakdown, plot_memory_window
     from accumlab.memory_records import PhaseRecord, WindowRecord
+    from accumlab_course.plots import plot_memory_breakdown, plot_memory_window
 
     phases = [PhaseRecord(0, "forward", 0, 10, 30, 20), PhaseRecord(0, "backward", 0, 30, 40, 12)]
     window = WindowRecord(index=0, baseline_bytes=10, phases=phases)

@@ -1,4 +1,4 @@
-"""Tests for accumlab.course.widgets: the pure functions and the widgets built on them."""
+"""Tests for accumlab_course.widgets: the pure functions and the widgets built on them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from accumlab import AccumulationPlan
-from accumlab.course.widgets import (
+from accumlab_course.widgets import (
     EFFECTIVE_BATCH_LABELS,
     effective_batch_html,
     effective_batch_table,
@@ -109,7 +109,7 @@ def test_sliders_keep_a_track_wide_enough_for_a_mouse() -> None:
     """Each slider's width less its label column and readout leaves >= 200 px of track,
     with one label column for all (tools/check_widgets.py measures it in JupyterLab)."""
     pytest.importorskip("ipywidgets")
-    from accumlab.course.widgets import READOUT_PX
+    from accumlab_course.widgets import READOUT_PX
 
     *sliders, _ = effective_batch_widget().children
     widths = set()
@@ -122,7 +122,7 @@ def test_sliders_keep_a_track_wide_enough_for_a_mouse() -> None:
 
 
 def test_table_cells_are_padded_apart() -> None:
-    from accumlab.course.widgets import CELL_STYLE
+    from accumlab_course.widgets import CELL_STYLE
 
     text = effective_batch_html(effective_batch_table(1, 1))
     assert text.count("<td ") == 2 * len(EFFECTIVE_BATCH_LABELS) == text.count(CELL_STYLE)

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import accumlab as al
-from accumlab.course.widgets import token_weighting, token_weighting_html, token_weighting_widget
+from accumlab_course.widgets import token_weighting, token_weighting_html, token_weighting_widget
 
 
 def test_the_512_1536_example():
@@ -143,7 +143,7 @@ def _px(value: str) -> int:
 def test_sliders_keep_a_track_wide_enough_for_a_mouse():
     """Each slider's width less its label column and readout leaves >= 200 px of track
     (tools/check_widgets.py measures the real track in JupyterLab); labels sit above."""
-    from accumlab.course.widgets import READOUT_PX
+    from accumlab_course.widgets import READOUT_PX
 
     widget = token_weighting_widget([512, 1536, 64], [2.0, 4.0, 3.0])
     columns = [column for row in widget.children[:-1] for column in row.children]
@@ -155,7 +155,7 @@ def test_sliders_keep_a_track_wide_enough_for_a_mouse():
 
 
 def test_table_cells_are_padded_apart():
-    from accumlab.course.widgets import CELL_STYLE, HEADER_STYLE
+    from accumlab_course.widgets import CELL_STYLE, HEADER_STYLE
 
     text = token_weighting_html(token_weighting([512, 1536], [2.0, 4.0]))
     assert text.count("<th ") == 6 and text.count(f"<th style='{CELL_STYLE};{HEADER_STYLE}'>") == 6

@@ -1,7 +1,7 @@
 """Data parallelism: the global denominator, one sync per window, uneven ranks, FSDP2.
 
 Tests marked ``distributed`` spawn two gloo processes through ``accumlab.distributed.launch``
-(the workers live in ``accumlab.course.workers``; those only tests use in
+(the workers live in ``accumlab_course.workers``; those only tests use in
 ``tests/helpers/course_workers.py``); each has a deadline well under a minute, so a hang fails
 the test instead of stalling CI. The others check the same logic in one process:
 ``aligned_windows`` with the peers' answers simulated, the padding microbatch, the
@@ -19,9 +19,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 import accumlab as al
 from accumlab import distributed as ald
-from accumlab.course import data, workers
-from accumlab.course.models import TinyGPT
 from accumlab.objectives import count_examples
+from accumlab_course import data, workers
+from accumlab_course.models import TinyGPT
 
 DEADLINE_S = 50  # per launch: a hang fails here, long before the CI budget
 RTOL = 1e-5
@@ -349,7 +349,7 @@ def test_run_record_reduced_over_ranks_without_a_group_is_the_local_record():
 
 
 def test_exercise_padding_plan_checker(capsys):
-    from accumlab.course.exercises import ex04
+    from accumlab_course.exercises import ex04
 
     assert ex04.padding_plan.check(ex04.reference_padding_plan)
 

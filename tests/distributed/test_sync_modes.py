@@ -18,7 +18,7 @@ from helpers import sync_workers  # tests/helpers/sync_workers.py
 
 import accumlab as al
 from accumlab import distributed as ald
-from accumlab.course.models import TinyGPT
+from accumlab_course.models import TinyGPT
 
 TOL = 1e-6
 WINDOWS = 2

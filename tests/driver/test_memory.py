@@ -19,11 +19,11 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 import accumlab as al
-from accumlab.course.data import VOCAB_SIZE
-from accumlab.course.models import TinyGPT, count_parameters
 from accumlab.distributed import gather_counts, launch
 from accumlab.memory import MemoryMeter, format_bytes
 from accumlab.oom import CannotShrinkError
+from accumlab_course.data import VOCAB_SIZE
+from accumlab_course.models import TinyGPT, count_parameters
 
 torch.set_num_threads(1)
 OBJECTIVE = al.NextTokenLoss()

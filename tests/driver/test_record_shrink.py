@@ -11,9 +11,9 @@ import torch
 from torch import Tensor
 
 import accumlab as al
-from accumlab.course.data import VOCAB_SIZE
-from accumlab.course.models import TinyGPT
 from accumlab.objectives import rows
+from accumlab_course.data import VOCAB_SIZE
+from accumlab_course.models import TinyGPT
 
 
 def token_microbatches(examples: int, m: int, seq: int = 8) -> list[dict[str, Tensor]]:

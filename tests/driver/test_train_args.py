@@ -17,9 +17,9 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 import accumlab as al
-from accumlab.course.data import VOCAB_SIZE
-from accumlab.course.models import TinyGPT
 from accumlab.distributed import launch
+from accumlab_course.data import VOCAB_SIZE
+from accumlab_course.models import TinyGPT
 
 
 def counted(batches: list[Mapping[str, Tensor]], read: list[int]) -> Iterator[Mapping[str, Tensor]]:

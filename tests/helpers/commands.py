@@ -19,18 +19,18 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
 
 
 def start(*args: str, ignore_ctrl_c: bool = False, stdout: Any = subprocess.PIPE) -> subprocess.Popen[str]:
-    """``python -m accumlab ARGS``, started with SIGINT's default action (Python turns it
+    """``python -m accumlab_course ARGS``, started with SIGINT's default action (Python turns it
     into KeyboardInterrupt), or with it ignored (``ignore_ctrl_c``: a background job)."""
     handler = signal.SIG_IGN if ignore_ctrl_c else signal.SIG_DFL
-    return subprocess.Popen([sys.executable, "-m", "accumlab", *args], text=True, env=ENV,
+    return subprocess.Popen([sys.executable, "-m", "accumlab_course", *args], text=True, env=ENV,
                             stdout=stdout, stderr=subprocess.PIPE,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, handler))
 
 
 def run(*args: str, timeout: float = 120, prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m accumlab ARGS`` to its end (exit code, stdout and stderr as a user sees
+    """``python -m accumlab_course ARGS`` to its end (exit code, stdout and stderr as a user sees
     them); ``prefix`` runs it as ``python PREFIX... ARGS`` instead (a wrapper script)."""
-    command = [sys.executable, *(prefix or ["-m", "accumlab"]), *args]
+    command = [sys.executable, *(prefix or ["-m", "accumlab_course"]), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=ENV)
 
 

@@ -1,5 +1,5 @@
 """Workers that only the tests launch (the course's own workers live in
-``accumlab.course.workers``): bad input under a 2-rank group, the IDs
+``accumlab_course.workers``): bad input under a 2-rank group, the IDs
 ``DistributedSampler`` hands out, and a rank that fails on purpose.
 
 Spawned processes import this module by name; pytest puts ``tests/`` on ``sys.path`` and
@@ -13,12 +13,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from accumlab.course import data
-from accumlab.course.workers import rank_and_world, small_model, wrap
 from accumlab.distributed import check_example_ids, gather_example_ids, shard
 from accumlab.driver import train
 from accumlab.objectives import NextTokenLoss
 from accumlab.plan import AccumulationPlan
+from accumlab_course import data
+from accumlab_course.workers import rank_and_world, small_model, wrap
 
 
 def misuse(case: str) -> None:

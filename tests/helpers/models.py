@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from accumlab.course.data import VOCAB_SIZE
-from accumlab.course.models import TinyGPT
+from accumlab_course.data import VOCAB_SIZE
+from accumlab_course.models import TinyGPT
 
 IGNORE = -100
 TOY_VOCAB = 13

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from accumlab.course.exercises import NOT_ATTEMPTED
+from accumlab_course.exercises import NOT_ATTEMPTED
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 

@@ -26,8 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import accumlab as al
 from accumlab import checkpoint
-from accumlab.course.models import TinyGPT
 from accumlab.memory import MemoryMeter
+from accumlab_course.models import TinyGPT
 
 VOCAB = 32
 SEQ = 12

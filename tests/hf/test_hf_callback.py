@@ -24,9 +24,9 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from accumlab.course.data import VOCAB_SIZE, collate, load_examples  # noqa: E402
 from accumlab.hf import AuditCallback  # noqa: E402
 from accumlab.hf.callback import AccumulationError, AccumulationWarning  # noqa: E402
+from accumlab_course.data import VOCAB_SIZE, collate, load_examples  # noqa: E402
 
 M, A = 2, 4  # examples per microbatch, microbatches per window
 

@@ -12,8 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from accumlab.course.data import VOCAB_SIZE, collate, load_examples  # noqa: E402
 from accumlab.hf import audit_trainer  # noqa: E402
+from accumlab_course.data import VOCAB_SIZE, collate, load_examples  # noqa: E402
 
 AUDIT_DOC = Path(__file__).resolve().parents[2] / "docs" / "AUDIT.md"
 

@@ -55,7 +55,7 @@ def _without_install_cell(nb: dict) -> dict:
 def test_goes_right_before_the_first_code_cell_and_changes_nothing_else(name):
     original = _without_install_cell(_notebook(name))
     nb = copy.deepcopy(original)
-    assert ic.apply(nb, "accumlab @ git+https://example.org/x/y@main") is True
+    assert ic.apply(nb, ("accumlab @ git+https://example.org/x/y@main", "accumlab-course==0.1.0")) is True
     (index,) = _install_cells(nb)
     first_code = next(i for i, c in enumerate(original["cells"]) if c["cell_type"] == "code")
     assert index == first_code
@@ -67,38 +67,38 @@ def test_goes_right_before_the_first_code_cell_and_changes_nothing_else(name):
 
 def test_running_it_again_changes_nothing():
     nb = _without_install_cell(_notebook())
-    ic.apply(nb, "accumlab==0.1.0")
+    ic.apply(nb, ("accumlab==0.1.0", "accumlab-course==0.1.0"))
     once = json.dumps(nb)
-    assert ic.apply(nb, "accumlab==0.1.0") is False
+    assert ic.apply(nb, ("accumlab==0.1.0", "accumlab-course==0.1.0")) is False
     assert json.dumps(nb) == once
 
 
 def test_a_stale_cell_is_updated_in_place_not_duplicated():
     nb = _without_install_cell(_notebook())
-    ic.apply(nb, "accumlab @ git+https://github.com/old/name@main")
+    ic.apply(nb, ("accumlab @ git+https://github.com/old/name@main", "accumlab-course==0.1.0"))
     (index,) = _install_cells(nb)
     nb["cells"][index]["outputs"] = [{"output_type": "stream", "name": "stdout", "text": ["x\n"]}]
-    assert ic.apply(nb, "accumlab==9.9.9") is True
+    assert ic.apply(nb, ("accumlab==9.9.9", "accumlab-course==0.1.0")) is True
     assert _install_cells(nb) == [index]
     source = "".join(nb["cells"][index]["source"])
     assert "accumlab==9.9.9" in source and "old/name" not in source
     # An older cell recognized by its first line (no id yet) is updated the same way.
     del nb["cells"][index]["id"]
-    assert ic.apply(nb, "accumlab==1.0.0") is True and _install_cells(nb) == [index]
+    assert ic.apply(nb, ("accumlab==1.0.0", "accumlab-course==0.1.0")) is True and _install_cells(nb) == [index]
 
 
 def test_two_install_cells_or_a_misplaced_one_are_refused():
     nb = _without_install_cell(_notebook())
-    ic.apply(nb, "accumlab==0.1.0")
+    ic.apply(nb, ("accumlab==0.1.0", "accumlab-course==0.1.0"))
     (index,) = _install_cells(nb)
     twice = copy.deepcopy(nb)
     twice["cells"].append(copy.deepcopy(nb["cells"][index]) | {"id": "other"})
     with pytest.raises(ValueError, match="2 install cells"):
-        ic.apply(twice, "accumlab==0.1.0")
+        ic.apply(twice, ("accumlab==0.1.0", "accumlab-course==0.1.0"))
     moved = copy.deepcopy(nb)
     moved["cells"].append(moved["cells"].pop(index))
     with pytest.raises(ValueError, match="not the first code cell"):
-        ic.apply(moved, "accumlab==0.1.0")
+        ic.apply(moved, ("accumlab==0.1.0", "accumlab-course==0.1.0"))
 
 
 def test_the_source_comes_from_pyproject_urls(tmp_path):
@@ -107,18 +107,20 @@ def test_the_source_comes_from_pyproject_urls(tmp_path):
         '[project]\nname = "accumlab"\nversion = "2.3.4"\n'
         '[project.urls]\nRepository = "https://github.com/someone/fork.git"\n'
     )
-    assert ic.install_source(pyproject=pyproject) == "accumlab @ git+https://github.com/someone/fork@main"
-    assert ic.install_source(release=True, pyproject=pyproject) == "accumlab==2.3.4"
+    assert ic.install_source(pyproject=pyproject) == (
+        "accumlab @ git+https://github.com/someone/fork@main",
+        "accumlab-course @ git+https://github.com/someone/fork@main#subdirectory=course")
+    assert ic.install_source(release=True, pyproject=pyproject) == ("accumlab==2.3.4", "accumlab-course==2.3.4")
     pyproject.write_text('[project]\nname = "accumlab"\nversion = "1"\n')
     with pytest.raises(Exception, match=r"\[project.urls\] needs Repository"):
         ic.install_source(pyproject=pyproject)
     # The repository's own pyproject names the URL the site and the cell use.
-    assert ic.install_source().startswith("accumlab @ git+https://")
+    assert ic.install_source()[0].startswith("accumlab @ git+https://")
 
 
 def test_the_cell_is_silent_where_accumlab_is_installed(tmp_path):
     # A source that cannot be installed: the cell would fail loudly if it tried.
-    code = ic.cell_source("accumlab @ git+https://example.invalid/none@main")
+    code = ic.cell_source(("accumlab @ git+https://example.invalid/none@main", "accumlab-course==0"))
     env = {**os.environ, "ACCUMLAB_INSTALL_SOURCE": str(tmp_path / "missing.whl")}
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
@@ -140,7 +142,7 @@ def test_the_cell_passes_the_projects_ruff_rules():
 
 def test_quotes_in_a_source_are_refused():
     with pytest.raises(ValueError, match="quotes"):
-        ic.cell_source('x"; import os; os.system("true")')
+        ic.cell_source(("accumlab", 'x"; import os; os.system("true")'))
 
 
 def test_the_committed_exercise_checks_still_hold_with_the_cell(tmp_path, monkeypatch):
@@ -215,17 +217,21 @@ def test_notebook_00_runs_in_a_fresh_environment_through_its_install_cell(tmp_pa
         ".hypothesis", ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints",
     )  # fmt: skip
     shutil.copytree(REPO, src, ignore=ignore)
-    _run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", dist, src], env=env, timeout=300)
+    for project in (src, src / "course"):
+        _run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", dist, project],
+             env=env, timeout=300)
     (wheel,) = dist.glob("accumlab-*.whl")
+    (course_wheel,) = dist.glob("accumlab_course-*.whl")
 
     venv = tmp_path / "fresh"
     _run([sys.executable, "-m", "venv", venv], env=env, timeout=300)
     python = venv / "bin" / "python"
     _run([python, "-m", "pip", "install", "--quiet", "torch==2.13.0", "ipykernel"], env=env, timeout=900)
     probe = _run(
-        [python, "-c", "import importlib.util as u; print(u.find_spec('accumlab'))"], env=env, cwd=tmp_path
+        [python, "-c", "import importlib.util as u; print(u.find_spec('accumlab'), u.find_spec('accumlab_course'))"],
+        env=env, cwd=tmp_path,
     )
-    assert probe.stdout.strip() == "None"  # no accumlab before the notebook runs
+    assert probe.stdout.strip() == "None None"  # neither before the notebook runs
     jupyter = tmp_path / "jupyter"
     _run([python, "-m", "ipykernel", "install", "--prefix", jupyter, "--name", "accumlab-fresh"], env=env)
 
@@ -237,7 +243,7 @@ def test_notebook_00_runs_in_a_fresh_environment_through_its_install_cell(tmp_pa
     notebook = checkout / "notebooks" / "00_start_here.ipynb"
     notebook.write_text(ic._dump(nb), encoding="utf-8")
 
-    env.update(JUPYTER_PATH=str(jupyter / "share" / "jupyter"), ACCUMLAB_INSTALL_SOURCE=str(wheel))
+    env.update(JUPYTER_PATH=str(jupyter / "share" / "jupyter"), ACCUMLAB_INSTALL_SOURCE=os.pathsep.join([str(wheel), str(course_wheel)]))
     executed = tmp_path / "executed.ipynb"
     _run([sys.executable, "-c", _EXECUTE, notebook, notebook.parent, executed], env=env, cwd=tmp_path, timeout=1200)
 
@@ -247,7 +253,7 @@ def test_notebook_00_runs_in_a_fresh_environment_through_its_install_cell(tmp_pa
     errors = [o for c in code for o in c["outputs"] if o["output_type"] == "error"]
     assert errors == []
     install_text = "".join("".join(o.get("text", "")) for o in code[0]["outputs"])
-    assert f"installing accumlab from {wheel}" in install_text
+    assert f"installing accumlab and the course from {wheel}, {course_wheel}" in install_text
     where = _run([python, "-c", "import accumlab; print(accumlab.__file__)"], env=env, cwd=tmp_path).stdout
     assert Path(where.strip()).is_relative_to(venv)  # the wheel's copy, not this checkout
     # The saved outputs of the committed notebook's checks came out the same.

@@ -91,10 +91,11 @@ def test_an_unreachable_index_fails_fast_with_one_line():
 
 def test_lab_installs_the_course_and_not_the_test_tools(tmp_path):
     lines = pip_lines(dry_run(tmp_path, "lab"))
-    assert any('-e ".[lab]"' in line for line in lines)
+    assert any('-e . -e ./course ' in line + " " for line in lines)  # the library and the course
+    assert any('-e "./course[lab]"' in line for line in lines)
     assert not any(".[dev" in line or "dev]" in line for line in lines)
     tests = pip_lines(dry_run(tmp_path, "test"))
-    assert any('-e ".[dev]"' in line for line in tests)
+    assert any('-e ".[dev]" -e ./course' in line for line in tests)
     assert not any(".[lab" in line or "lab]" in line for line in tests)
 
 
@@ -170,15 +171,25 @@ def test_check_and_test_run_the_smoke_check(tmp_path):
     assert any(line.endswith("accumlab env --check") for line in dry_run(tmp_path, "test"))
 
 
-def test_extras_split_the_course_from_the_test_tools():
+def test_the_library_needs_torch_and_tqdm_and_the_course_the_rest():
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    names = {re.split(r"[<>=!~ \[;]", dep)[0].lower() for dep in project["dependencies"]}
-    assert {"torch", "matplotlib", "ipywidgets"} <= names
-    extras = project["optional-dependencies"]
-    assert any(dep.startswith("jupyterlab") for dep in extras["lab"])
-    assert not any(dep.startswith(("pytest", "nbval", "ruff", "hypothesis")) for dep in extras["lab"])
-    assert {"pytest", "nbval", "ruff"} <= {re.split(r"[<>=!~ ]", d)[0] for d in extras["dev"]}
+    course = tomllib.loads((ROOT / "course" / "pyproject.toml").read_text())["project"]
+
+    def names(deps):
+        return {re.split(r"[<>=!~ \[;]", dep)[0].lower() for dep in deps}
+
+    assert names(project["dependencies"]) == {"torch", "tqdm"}
+    assert {"accumlab", "matplotlib", "ipywidgets"} <= names(course["dependencies"])
+    # the course requires the library's own release, exactly
+    assert f"accumlab=={project['version']}" in course["dependencies"]
+    assert course["version"] == project["version"]
+    lab = course["optional-dependencies"]["lab"]
+    assert any(dep.startswith("jupyterlab") for dep in lab)
+    assert "lab" not in project["optional-dependencies"]
+    assert not any(dep.startswith(("pytest", "nbval", "ruff", "hypothesis")) for dep in lab)
+    dev = project["optional-dependencies"]["dev"]
+    assert {"pytest", "nbval", "ruff"} <= {re.split(r"[<>=!~ ]", d)[0] for d in dev}
 
 
 def test_ci_installs_the_locks_torch_on_disk_and_runs_make_test_then_the_slow_tier():

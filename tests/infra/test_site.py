@@ -273,7 +273,7 @@ def _first_exercise() -> tuple[int, str]:
         (lambda s: _page(s / "extra.html", '<img src="_images/a.png">'), "without meaningful alt text"),
         (lambda s: _edit(s / "reference" / "api.html", '<dt id="accumlab.train_window">', "<dt>"), "no entry for accumlab.train_window"),
         (lambda s: _edit(s / "reference" / "api.html", '<dt id="accumlab.distributed.shard">', "<dt>"), "no entry for accumlab.distributed.shard"),
-        (lambda s: _edit(s / "reference" / "api.html", '<dt id="accumlab.course.exercises.ex01.adamw_ratio">', "<dt>"), "no entry for accumlab.course.exercises.ex01.adamw_ratio"),
+        (lambda s: _edit(s / "reference" / "api.html", '<dt id="accumlab_course.exercises.ex01.adamw_ratio">', "<dt>"), "no entry for accumlab_course.exercises.ex01.adamw_ratio"),
         (lambda s: _edit(s / "exercises.html", f'<a href="lessons/{LESSONS[2]}.html">', "<a>"), f"does not list lesson {LESSONS[2]}"),
         (lambda s: _edit(s / "exercises.html", _first_exercise()[1], "?"), f"does not list {_first_exercise()[1]}"),
         (lambda s: _edit(_lesson_page(s, _first_exercise()[0]), f'id="help-{_first_exercise()[1].replace(".", "-")}"', ""), "no folded hints and solution"),

@@ -209,8 +209,8 @@ def test_names_in_the_lessons_text_resolve_to_their_reference_entry():
         "accumlab.MemoryMeter": "accumlab.MemoryMeter",
         "MemoryMeter.plot": "accumlab.MemoryMeter",
         "al.distributed.shard": "accumlab.distributed.shard",
-        "ex01.adamw_ratio.check": "accumlab.course.exercises.ex01.adamw_ratio",
-        "ex01.adamw_ratio.hint()": "accumlab.course.exercises.ex01.adamw_ratio",
+        "ex01.adamw_ratio.check": "accumlab_course.exercises.ex01.adamw_ratio",
+        "ex01.adamw_ratio.hint()": "accumlab_course.exercises.ex01.adamw_ratio",
         "train_window": "accumlab.train_window",
     }
     for text, target in cases.items():
@@ -244,7 +244,8 @@ def test_saved_figures_link_to_themselves_and_other_images_do_not():
 def test_make_site_on_a_fresh_clone_installs_no_cuda_build_unless_asked(tmp_path, args, env, index):
     clone = tmp_path / "clone"
     clone.mkdir()
-    for name in ("Makefile", "pyproject.toml"):
+    (clone / "course").mkdir()
+    for name in ("Makefile", "pyproject.toml", "constraints.txt", "course/pyproject.toml"):
         shutil.copy(REPO / name, clone / name)
     environ = {k: v for k, v in os.environ.items() if k != "TORCH_INDEX"} | env
     run = subprocess.run(["make", "-n", "site", *args], cwd=clone, capture_output=True, text=True, env=environ)
@@ -257,8 +258,9 @@ def test_make_site_on_a_fresh_clone_installs_no_cuda_build_unless_asked(tmp_path
 def test_the_cuda_hint_names_the_command_that_was_run(tmp_path):
     clone = tmp_path / "clone"
     clone.mkdir()
-    shutil.copy(REPO / "Makefile", clone / "Makefile")
-    shutil.copy(REPO / "pyproject.toml", clone / "pyproject.toml")
+    (clone / "course").mkdir()
+    for name in ("Makefile", "pyproject.toml", "constraints.txt", "course/pyproject.toml"):
+        shutil.copy(REPO / name, clone / name)
     environ = {k: v for k, v in os.environ.items() if k != "TORCH_INDEX"}
     for goal in ("site", "test"):
         run = subprocess.run(["make", "-n", goal, "TORCH_INDEX="], cwd=clone, capture_output=True, text=True, env=environ)

@@ -143,7 +143,7 @@ def test_every_notebook_exercise_is_found():
                          ids=[f"{c[0][:2]}-{c[2]}" for c in CASES])
 def test_no_function_above_the_stub_passes(notebook, module, name, answer, stub_cell):
     stub = _stub(ast.parse(_code_cells(NOTEBOOKS / notebook)[stub_cell]), answer)
-    exercise = getattr(importlib.import_module(f"accumlab.course.exercises.{module}"), name)
+    exercise = getattr(importlib.import_module(f"accumlab_course.exercises.{module}"), name)
     passing = []
     for fn_name, fn in candidates(notebook, stub_cell, _positional(stub)).items():
         with contextlib.redirect_stdout(io.StringIO()):

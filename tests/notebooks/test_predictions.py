@@ -78,7 +78,7 @@ def predictions(path: Path) -> list[tuple[int, str, object]]:
         if cell["cell_type"] != "code":
             continue
         for module, name in CHECK.findall(_source(cell)):
-            exercise = getattr(importlib.import_module(f"accumlab.course.exercises.{module}"), name)
+            exercise = getattr(importlib.import_module(f"accumlab_course.exercises.{module}"), name)
             if exercise.kind == "prediction":
                 found.append((i, f"{module}.{name}", exercise.answer))
     return found

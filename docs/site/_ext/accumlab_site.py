@@ -205,12 +205,12 @@ def public_targets() -> dict[str, str]:
         for name in getattr(module, "__all__", []):
             full = f"accumlab.{sub}.{name}"
             targets[full] = targets[f"al.{sub}.{name}"] = full
-    exercises = importlib.import_module("accumlab.course.exercises")
+    exercises = importlib.import_module("accumlab_course.exercises")
     for path in sorted(Path(exercises.__file__).parent.glob("ex[0-9][0-9].py")):
-        module = importlib.import_module(f"accumlab.course.exercises.{path.stem}")
+        module = importlib.import_module(f"accumlab_course.exercises.{path.stem}")
         for name, value in vars(module).items():
             if isinstance(value, exercises.Exercise):
-                targets[f"{path.stem}.{name}"] = f"accumlab.course.exercises.{path.stem}.{name}"
+                targets[f"{path.stem}.{name}"] = f"accumlab_course.exercises.{path.stem}.{name}"
     return targets
 
 

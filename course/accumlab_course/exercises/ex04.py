@@ -54,9 +54,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ...checks import compare
-from ...distributed import launch, trained_lengths, window_lengths
-from ...plan import AccumulationPlan
+from accumlab.checks import compare
+from accumlab.distributed import launch, trained_lengths, window_lengths
+from accumlab.plan import AccumulationPlan
+
 from .. import workers
 from . import Exercise
 from .predictions import number_prediction

@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..validate import check_positive_int
+from accumlab.validate import check_positive_int
 
 # --- layout shared by the widgets ------------------------------------------------------
 

@@ -33,20 +33,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..checks import compare
-from ..distributed import (
+from accumlab.checks import compare
+from accumlab.distributed import (
     SyncCounter,
     check_example_ids,
     example_ids_in,
     gather_example_ids,
     shard,
 )
-from ..driver import train
-from ..loop import default_forward
-from ..objectives import NextTokenLoss
-from ..parallel import gradient_sync, local_device, replicas_of
-from ..plan import AccumulationPlan
-from ..record import RunRecord
+from accumlab.driver import train
+from accumlab.loop import default_forward
+from accumlab.objectives import NextTokenLoss
+from accumlab.parallel import gradient_sync, local_device, replicas_of
+from accumlab.plan import AccumulationPlan
+from accumlab.record import RunRecord
+
 from . import data
 from .models import TinyGPT
 
@@ -527,7 +528,7 @@ def unaligned_windows(windows_per_rank: Sequence[int] = (1, 3), accumulation_ste
     ``train_window``. The rank with fewer windows leaves while its peer waits in a
     collective for it; the peer fails when the process-group timeout expires. Returns
     the number of update attempts if, against expectation, it finishes."""
-    from ..loop import train_window
+    from accumlab.loop import train_window
 
     rank, world = rank_and_world()
     m = 2
@@ -551,8 +552,8 @@ def memory_per_rank(micro_batch_size: int = 2, accumulation_steps: int = 2) -> d
     answers on rank 0, long ones on rank 1) and SGD. Returns :func:`whoami` and, in bytes,
     the window's baseline, its peak and what each microbatch's forward saved for backward:
     this rank's figures, for its own device."""
-    from ..loop import train_window
-    from ..memory import MemoryMeter
+    from accumlab.loop import train_window
+    from accumlab.memory import MemoryMeter
 
     rank, world = rank_and_world()
     examples = uneven_examples(world)[rank][: micro_batch_size * accumulation_steps]
@@ -571,13 +572,14 @@ def memory_per_rank(micro_batch_size: int = 2, accumulation_steps: int = 2) -> d
 
 
 def window_timeline(accumulation_steps: int = 4, sync: str = "window") -> list[Any]:
-    """Record one DDP window on this rank with :class:`accumlab.course.plots.TimelineRecorder`
+    """Record one DDP window on this rank with :class:`accumlab_course.plots.TimelineRecorder`
     and return its events (this rank's forward, backward, gradient syncs, check, step,
     clear, in order). The window is ``al.train_window`` on a fresh DDP model with SGD and
     ``clip_grad_norm=1.0``, ``accumulation_steps`` microbatches of 2 of this rank's
     :func:`uneven_examples`; ``sync="window"`` puts every microbatch but the last in
     ``no_sync`` (one gradient sync), ``"microbatch"`` syncs after every backward (``A``)."""
-    from ..loop import train_window
+    from accumlab.loop import train_window
+
     from .plots import TimelineRecorder
 
     rank, world = rank_and_world()

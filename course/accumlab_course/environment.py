@@ -72,8 +72,9 @@ def accumulation_check(device: str, splits: Sequence[int] = (2, 1, 3)) -> tuple[
     """
     import torch
 
-    from .. import checks
-    from ..objectives import NextTokenLoss
+    from accumlab import checks
+    from accumlab.objectives import NextTokenLoss
+
     from . import data
     from .models import TinyGPT
 

@@ -4,8 +4,8 @@
   ``answer(model, window, sequence_losses) -> None``. Every sequence counts once, however
   many targets it has: the window's loss is the mean, over the window's sequences, of each
   sequence's mean next-token loss. ``window`` is a list of microbatches (dicts with
-  ``input_ids`` and ``labels``, as :func:`accumlab.course.data.collate` makes them), the
-  model is a :class:`~accumlab.course.models.TinyGPT` (``model(input_ids).logits``), and
+  ``input_ids`` and ``labels``, as :func:`accumlab_course.data.collate` makes them), the
+  model is a :class:`~accumlab_course.models.TinyGPT` (``model(input_ids).logits``), and
   ``sequence_losses(logits, labels)`` returns one mean loss per sequence, shape (batch,).
   After the call every parameter's ``.grad`` must hold the gradient of that window loss,
   as one backward pass over all the window's sequences would give; the caller clears
@@ -43,8 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...checks import compare, gradients, split_batch
-from ...objectives import NextTokenLoss
+from accumlab.checks import compare, gradients, split_batch
+from accumlab.objectives import NextTokenLoss
+
 from ..data import VOCAB_SIZE, Example, collate
 from ..models import TinyGPT
 from . import Exercise, fills_grad_only

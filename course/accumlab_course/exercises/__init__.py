@@ -1,7 +1,7 @@
 """Exercise checkers for the notebooks: ``check(answer)``, ``hint()``, ``solution()``.
 
 Each notebook imports its exercises from a module here, e.g.
-``from accumlab.course.exercises import ex01`` then ``ex01.accumulate_from_means.check(fn)``.
+``from accumlab_course.exercises import ex01`` then ``ex01.accumulate_from_means.check(fn)``.
 A checker runs the learner's answer against a reference on fresh inputs and prints a
 one-line verdict; it returns True/False so a notebook cell or a test can act on it.
 

@@ -43,10 +43,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...loop_audit.controlled_set import AuditLM, audit_windows
-from ...loop_audit.run import audit
-from ...memory import MemoryMeter
-from ...mistakes import MISTAKES
+from accumlab.loop_audit.controlled_set import AuditLM, audit_windows
+from accumlab.loop_audit.run import audit
+from accumlab.memory import MemoryMeter
+from accumlab.mistakes import MISTAKES
+
 from ..data import VOCAB_SIZE, collate, load_examples, microbatches
 from ..models import TinyGPT
 from . import Exercise

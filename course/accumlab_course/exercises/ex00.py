@@ -17,7 +17,8 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
-from ...plan import AccumulationPlan
+from accumlab.plan import AccumulationPlan
+
 from ..widgets import effective_batch_table
 from . import Exercise
 from .predictions import number_prediction

@@ -214,7 +214,7 @@ def microbatches(
 def make_classification(
     n: int, in_features: int = 8, out_features: int = 3, seed: int = 0
 ) -> tuple[Tensor, Tensor]:
-    """A small synthetic *classification* set for :class:`accumlab.course.models.MLP`.
+    """A small synthetic *classification* set for :class:`accumlab_course.models.MLP`.
 
     Returns ``x`` (n, in_features) float32 standard-normal features and ``labels``
     (n,) long in ``0..out_features-1``: the argmax of a fixed random linear map of

@@ -50,9 +50,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ...loop import train_window
-from ...memory import MemoryMeter
-from ...objectives import NextTokenLoss
+from accumlab.loop import train_window
+from accumlab.memory import MemoryMeter
+from accumlab.objectives import NextTokenLoss
+
 from ..data import VOCAB_SIZE
 from ..models import TinyGPT
 from . import Exercise

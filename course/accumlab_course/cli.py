@@ -29,9 +29,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from . import checkpoint, driver
-from .atomic_write import check_directory, file_kind, write_atomically
-from .validate import check_positive_number
+from accumlab import checkpoint, driver
+from accumlab.atomic_write import check_directory, file_kind, write_atomically
+from accumlab.validate import check_positive_number
 
 #: Where records go when ``--record`` is given without a path (relative to the current
 #: directory; ignored by git in the repository).
@@ -58,7 +58,7 @@ class CommandError(Exception):
 
 
 def _env(args: argparse.Namespace) -> int:
-    from .course import environment
+    from . import environment
 
     start = time.perf_counter()
     info = environment.environment()
@@ -75,7 +75,7 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .plan import AccumulationPlan, describe
+    from accumlab.plan import AccumulationPlan, describe
 
     print(describe(AccumulationPlan.from_effective_batch(args.effective, args.micro, args.dp)))
     return 0
@@ -142,12 +142,13 @@ def check_record_beside_checkpoints(record: Path, checkpoint_dir: str) -> None:
 def _train(args: argparse.Namespace) -> int:
     import torch
 
-    from .course import data
-    from .course.models import TinyGPT
-    from .objectives import NextTokenLoss
-    from .plan import AccumulationPlan
-    from .record import RunRecord
-    from .settings import TrainSettings
+    from accumlab.objectives import NextTokenLoss
+    from accumlab.plan import AccumulationPlan
+    from accumlab.record import RunRecord
+    from accumlab.settings import TrainSettings
+
+    from . import data
+    from .models import TinyGPT
 
     plan = AccumulationPlan(args.micro, args.steps, last_window=args.last_window)
     # the library's own check of the checkpoint keywords, before anything is read or written
@@ -257,7 +258,7 @@ def _plain(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from accumlab import __version__
 
     first, _, rest = __doc__.partition("\n")
     parser = argparse.ArgumentParser(prog="accumlab", description=_plain(first),

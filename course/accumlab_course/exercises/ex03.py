@@ -45,9 +45,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...checks import inject_nonfinite
-from ...loop import accumulate
-from ...objectives import ExampleLoss
+from accumlab.checks import inject_nonfinite
+from accumlab.loop import accumulate
+from accumlab.objectives import ExampleLoss
+
 from ..models import MLP
 from . import Exercise
 from .predictions import choice_prediction, number_prediction

@@ -482,8 +482,8 @@ class TimelineRecorder:
         import torch
         from torch.nn.parallel import DistributedDataParallel
 
-        from .. import loop
-        from ..parallel import unwrap
+        from accumlab import loop
+        from accumlab.parallel import unwrap
 
         model = self.model
 
@@ -566,7 +566,7 @@ def record_window(
     ``scaler=`` is passed on to ``train_window`` and recorded too. Under DDP, call it on
     every rank (it is a window like any other); the events carry the rank.
     """
-    from ..loop import train_window
+    from accumlab.loop import train_window
 
     scaler = train_window_kwargs.get("scaler")
     with TimelineRecorder(model, optimizer, scaler) as recorder:

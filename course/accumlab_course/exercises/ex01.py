@@ -35,9 +35,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...checks import compare, full_batch_gradient, gradients, split_batch
-from ...loop import default_forward
-from ...objectives import ExampleLoss, NextTokenLoss, Objective
+from accumlab.checks import compare, full_batch_gradient, gradients, split_batch
+from accumlab.loop import default_forward
+from accumlab.objectives import ExampleLoss, NextTokenLoss, Objective
+
 from ..data import VOCAB_SIZE, Example, collate
 from ..models import MLP, TinyGPT
 from . import Exercise, fills_grad_only

@@ -4,7 +4,7 @@ A notebook cell holds ``my_prediction = ...`` (a stub) and ``exNN.<name>.check(m
 the checker compares the prediction with the value the next cell computes (the same value,
 fixed here and asserted there), says "not attempted yet" while the stub is ``...``, and
 names the usual wrong prediction when it recognises one. ``solution()`` prints the
-reasoning. Each question is an :class:`~accumlab.course.exercises.Exercise`, so ``hint``,
+reasoning. Each question is an :class:`~accumlab_course.exercises.Exercise`, so ``hint``,
 ``solution`` and the notebook rules are the same as for code exercises.
 """
 

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...objectives import NextTokenLoss
+from accumlab.objectives import NextTokenLoss
+
 from . import Exercise, grads_close
 from .predictions import choice_prediction, number_prediction
 
