@@ -4,12 +4,19 @@ The estimate is a formula over what a learner reads, types and answers, so the t
 README.md, docs/WORKSHOP.md and the site state can be checked against the notebooks
 (``tests/notebooks/test_course_time.py``) and never drift:
 
-    minutes = prose words / 180 + code lines / 25 + 15 per exercise + 2 per prediction
+    minutes = prose words / 130 + code lines / 20 + output lines / 40
+              + 15 per exercise + 2 per prediction
+
+(a newcomer's pace: 130 words of prose a minute, 20 lines of code and 40 lines of output
+read a minute)
 
 - **prose words**: whitespace-separated words of the markdown cells (a heading's ``#``
   marks are not words);
 - **code lines**: non-blank lines of the code cells, except the install cell every notebook
   shares (``tools/install_cell.py``; a learner does not read it);
+- **output lines**: non-blank lines of the saved outputs a learner reads: printed text
+  (streams, errors) and each result's plain-text form (a figure or a widget counts as its
+  one-line text form);
 - **exercise**: an ``exNN.<name>`` with code to write, counted once per notebook however
   many cells call its ``check``; **prediction**: one whose ``kind`` is ``"prediction"``
   (a number or a choice written down before the cell that computes it).
@@ -32,8 +39,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-WORDS_PER_MINUTE = 180
-CODE_LINES_PER_MINUTE = 25
+WORDS_PER_MINUTE = 130
+CODE_LINES_PER_MINUTE = 20
+OUTPUT_LINES_PER_MINUTE = 40
 MINUTES_PER_EXERCISE = 15
 MINUTES_PER_PREDICTION = 2
 DEEP_DIVE = "Deep dive"
@@ -49,6 +57,7 @@ class Counts:
 
     words: int = 0
     code_lines: int = 0
+    output_lines: int = 0
     exercises: set[str] = field(default_factory=set)
     predictions: set[str] = field(default_factory=set)
 
@@ -57,6 +66,7 @@ class Counts:
         return (
             self.words / WORDS_PER_MINUTE
             + self.code_lines / CODE_LINES_PER_MINUTE
+            + self.output_lines / OUTPUT_LINES_PER_MINUTE
             + MINUTES_PER_EXERCISE * len(self.exercises)
             + MINUTES_PER_PREDICTION * len(self.predictions)
         )
@@ -64,6 +74,7 @@ class Counts:
     def add(self, other: Counts) -> None:
         self.words += other.words
         self.code_lines += other.code_lines
+        self.output_lines += other.output_lines
         self.exercises |= other.exercises
         self.predictions |= other.predictions
 
@@ -89,6 +100,22 @@ def _kind(module: str, name: str) -> str:
 def _source(cell: dict) -> str:
     source = cell.get("source", "")
     return "".join(source) if isinstance(source, list) else source
+
+
+def output_lines(cell: dict) -> int:
+    """Non-blank lines of what a code cell's saved outputs show as text: streams and
+    tracebacks, and each result's ``text/plain`` (a figure or widget counts as that line)."""
+    lines = 0
+    for output in cell.get("outputs", []):
+        if output.get("output_type") == "stream":
+            text = output.get("text", "")
+        elif output.get("output_type") == "error":
+            text = "\n".join(output.get("traceback", []))
+        else:
+            text = output.get("data", {}).get("text/plain", "")
+        text = "".join(text) if isinstance(text, list) else text
+        lines += sum(1 for line in text.splitlines() if line.strip())
+    return lines
 
 
 def measure(path: Path) -> NotebookTime:
@@ -128,8 +155,10 @@ def measure(path: Path) -> NotebookTime:
                     (counts.predictions if kind == "prediction" else counts.exercises).add(
                         f"{module}.{name}"
                     )
+            shown = output_lines(cell)
             for counts in here():
                 counts.code_lines += lines
+                counts.output_lines += shown
     return NotebookTime(Path(path).stem, core, everything)
 
 
@@ -155,12 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("notebooks", nargs="+", type=Path)
     args = parser.parse_args(argv)
     notebooks, core, everything = course_time(args.notebooks)
-    print(f"{'notebook':<28} {'core':>7} {'all':>7}  core: words, code lines, exercises, predictions")
+    print(f"{'notebook':<28} {'core':>7} {'all':>7}  core: words, code lines, output lines, exercises, predictions")
     for nb in notebooks:
         c = nb.core
         print(
             f"{nb.name:<28} {nb.core.minutes:>5.0f} m {nb.everything.minutes:>5.0f} m  "
-            f"{c.words}, {c.code_lines}, {len(c.exercises)}, {len(c.predictions)}"
+            f"{c.words}, {c.code_lines}, {c.output_lines}, {len(c.exercises)}, {len(c.predictions)}"
         )
     print(f"core path: {hours(core.minutes)}; everything: {hours(everything.minutes)}")
     return 0

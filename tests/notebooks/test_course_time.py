@@ -2,8 +2,9 @@
 (tools/course_time.py), the core path fits a half day, and every document that states the
 times states these.
 
-The formula's unit test counts a small notebook by hand, apart from the tool: 360 prose
-words are 2 minutes, 50 code lines 2 minutes, an exercise 15 and a prediction 2.
+The formula's unit test counts a small notebook by hand, apart from the tool: 130 prose
+words are a minute, 20 code lines a minute, 40 output lines a minute, an exercise 15 and
+a prediction 2 (a newcomer's pace).
 """
 
 from __future__ import annotations
@@ -49,13 +50,20 @@ def test_the_formula_on_a_notebook_counted_by_hand(tool, tmp_path):
     cells = [
         _code("print('install')\n" * 40, id="accumlab-install"),  # never counted
         _md("# Title\n" + _words(179)),  # 180 words with the title (its # is not a word)
-        _code(_lines(25) + "\n\n\n"),  # blank lines are not code
+        _code(_lines(25) + "\n\n\n", outputs=[  # blank lines are not code
+            {"output_type": "stream", "name": "stdout", "text": ["a\n", "\n", "b\n"]},  # 2 lines
+            {"output_type": "display_data", "metadata": {},
+             "data": {"text/plain": ["<Figure size 640x480 with 1 Axes>"], "image/png": "iVBOR"}},  # 1
+            {"output_type": "execute_result", "execution_count": 1, "metadata": {},
+             "data": {"text/plain": "x\ny\nz", "text/html": "<p>x</p>"}},  # 3
+        ]),
         _md("## 1. Core\n" + _words(178)),
         _code("ex00.accumulation_steps.check(a)\nex00.accumulation_steps.check(b)"),  # one exercise
         _code("ex00.update_attempts.check(p)"),  # a prediction
         _md("## Deep dive: the details\n" + _words(356)),  # 360 words outside the core
         _md("### still inside\n" + _words(178)),
-        _code(_lines(48) + "\nex00.replicas.check(r)"),
+        _code(_lines(48) + "\nex00.replicas.check(r)", outputs=[
+            {"output_type": "stream", "name": "stderr", "text": "w1\nw2\nw3\nw4\n"}]),  # 4 lines
         _md("## 2. Back in the core\n"),  # 5 words
         _code(_lines(24)),
     ]
@@ -67,12 +75,14 @@ def test_the_formula_on_a_notebook_counted_by_hand(tool, tmp_path):
     assert nb.core.code_lines == 25 + 2 + 1 + 24
     assert nb.core.exercises == {"ex00.accumulation_steps"}
     assert nb.core.predictions == {"ex00.update_attempts"}
-    assert nb.core.minutes == pytest.approx(365 / 180 + 52 / 25 + 15 + 2)
+    assert nb.core.output_lines == 2 + 1 + 3
+    assert nb.core.minutes == pytest.approx(365 / 130 + 52 / 20 + 6 / 40 + 15 + 2)
     # everything adds the deep dive: 360 + 180 words, 49 lines, one more exercise
     assert nb.everything.words == 365 + 360 + 180
     assert nb.everything.code_lines == 52 + 49
     assert nb.everything.exercises == {"ex00.accumulation_steps", "ex00.replicas"}
-    assert nb.everything.minutes == pytest.approx(905 / 180 + 101 / 25 + 30 + 2)
+    assert nb.everything.output_lines == 6 + 4
+    assert nb.everything.minutes == pytest.approx(905 / 130 + 101 / 20 + 10 / 40 + 30 + 2)
 
 
 def test_hours_rounds_to_five_minutes(tool):
