@@ -24,6 +24,7 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
+from html import escape
 from typing import Any
 
 import torch
@@ -147,3 +148,30 @@ class Exercise:
     def solution(self) -> None:
         """Print the reference solution."""
         print(self.reference.strip())
+
+    def reveal(self, value: Any, shown: str | None = None) -> None:
+        """Show a prediction's answer folded, computed by the cell that calls this.
+
+        ``value`` is what the cell computed; it must be this prediction's answer (the
+        checker's rule: a number within its tolerance, a choice by its words), else an
+        ``AssertionError`` names both, so the lesson's claim is checked where it is made.
+        The answer is displayed as a closed ``<details>`` element whose one visible line
+        (the summary) names the question and never the answer; ``shown`` (default: the
+        value as written, ``f"{value:g}"`` for a number) is inside it, for the learner to
+        open. The plain-text form, what a terminal or a text-only reader gets, holds no
+        answer either. The same in JupyterLab (folded or not, after Run All), on the site
+        and on GitHub."""
+        if self.kind != "prediction":
+            raise TypeError(f"{self.path} is an exercise, not a prediction: only a prediction is revealed")
+        problem = self.checker(value)
+        if problem is not None:
+            raise AssertionError(f"{self.path}: the cell computed {value!r}, not the prediction's "
+                                 f"answer {self.answer!r}")
+        from IPython.display import display
+
+        text = shown if shown is not None else (f"{value:g}" if isinstance(value, (int, float)) else str(value))
+        summary = f"Answer to {self.path}: open it once your prediction is written"
+        html = (f'<details class="accumlab-answer"><summary>{escape(summary)}</summary>'
+                f"<pre>{escape(text)}</pre></details>")
+        display({"text/html": html, "text/plain": f"{summary} (folded: open it in the notebook)"},
+                raw=True)
