@@ -11,9 +11,11 @@ whatever the split into microbatches and replicas, and every unit weighs the sam
 DDP, OOM shrinking and short last windows all keep this rule.
 
 ``accumulate`` does the backward passes; ``train_window`` adds the window boundary
-(unscale, check, clip, step, update the scale, clear, schedule). ``train`` is the driver
-above it (``accumlab.driver``). This module imports only the core: copy it with
-``objectives``, ``precision``, ``report``, ``parallel`` and ``validate``.
+(check the hyper-parameters, unscale, check the gradient, clip, step, update the scale,
+clear, schedule). What every window of a run shares is worked out once
+(:func:`window_setup`) and handed to each. ``train`` is the driver above it
+(``accumlab.driver``). This module imports only the core: copy it with ``objectives``,
+``precision``, ``report``, ``parallel`` and ``validate``.
 """
 
 from __future__ import annotations

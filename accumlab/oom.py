@@ -178,9 +178,10 @@ class OOMGuard:
     cannot be fixed by a smaller microbatch), and under DDP (``D > 1``) it makes the
     replicas agree before every point where they would otherwise part ways: the last
     microbatch's backward pass (DDP all-reduces gradients there), the last forward pass,
-    and every forward pass when DDP broadcasts buffers at each forward. A replica that ran
-    out of memory calls :meth:`agree` with ``oom=True`` instead of reaching its next
-    agreement point; the others meet it there, see the flag and stop with
+    and every forward pass when DDP may broadcast the module's buffers there
+    (``Replicas.forward_collective``: ``broadcast_buffers`` and some buffers). A replica
+    that ran out of memory calls :meth:`agree` with ``oom=True`` instead of reaching its
+    next agreement point; the others meet it there, see the flag and stop with
     ``PeerOutOfMemory``. Every replica then retries the window with the same plan, and no
     rank waits on a collective the others skipped.
 

@@ -91,8 +91,9 @@ class RunRecord:
     core. ``scaler`` holds the GradScaler's settings and final scale (``None`` without
     one); ``skipped_nonfinite`` (a non-finite gradient), ``skipped_no_targets`` and
     ``skipped_hyperparameters`` (a hyper-parameter the update could not use, such as a
-    learning rate a scheduler turned ``nan``) split ``updates_skipped`` by reason. From what ``train`` noted in the ledger: ``clip_grad_norm`` (``None``: no
-    clipping), ``optimizer`` (its class name), ``lr_first``/``lr_last`` (the learning rate
+    learning rate a scheduler turned ``nan``) split ``updates_skipped`` by reason. From
+    what ``train`` noted in the ledger: ``clip_grad_norm`` (``None``: no clipping),
+    ``optimizer`` (its class name), ``lr_first``/``lr_last`` (the learning rate
     of the first and last applied update), ``grad_norm_first``/``grad_norm_last``/
     ``grad_norm_largest`` (the L2 norm of the combined, unscaled gradient before clipping
     of the first, last and largest applied update) and ``largest_microbatch`` (examples).

@@ -1,13 +1,15 @@
 """What ``train`` is asked to do: :class:`TrainSettings`, its keyword arguments in one
 frozen dataclass, each checked once when it is built, and
 :meth:`TrainSettings.check_objects`, the five objects it trains with checked against each
-other and against the settings.
+other and against the settings, which returns what every window of the run shares (the
+run's ``loop.WindowSetup``).
 
 Each check is a helper of :mod:`accumlab.validate`; the modes of one window are named in
 :mod:`accumlab.loop`, the precisions in :mod:`accumlab.precision`. The ``Checkpointer``
 (:mod:`accumlab.checkpoint`) and the ``Ledger`` read what they need from the settings. The
-plan is checked against the other ranks by ``distributed.alignment.check_plan``, a
-collective, which ``train`` calls after these local checks.
+plan is checked against the setup's replicas and the other ranks by
+``distributed.alignment.check_plan``, a collective, which ``train`` calls after these
+local checks.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from .validate import (
     check_bool,
     check_callable_or_none,
     check_choice,
-    check_finite_hyperparameters,
+    check_hyperparameters,
     check_instance,
     check_methods,
     check_positive_int,
@@ -163,7 +165,7 @@ class TrainSettings:
                 f"generator), got {type(batches).__name__}; to train on one batch, pass [batch]"
             )
         check_instance("optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
-        check_finite_hyperparameters(optimizer)
+        check_hyperparameters(optimizer)
         check_instance("plan", plan, AccumulationPlan, "an AccumulationPlan")
         check_methods(
             "objective",

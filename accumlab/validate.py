@@ -230,7 +230,7 @@ def _numbers(value: object) -> list[float]:
     return found
 
 
-def check_finite_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
+def check_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
     """``ValueError`` naming the group and key of a hyper-parameter an update cannot use
     (:func:`unusable_hyperparameter`: not finite, or a learning rate below 0) or of one
     larger than the dtype of the group's parameters holds (``lr=1e300`` with float32

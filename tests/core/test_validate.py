@@ -12,7 +12,7 @@ from accumlab.validate import (
     check_bool,
     check_callable_or_none,
     check_choice,
-    check_finite_hyperparameters,
+    check_hyperparameters,
     check_instance,
     check_methods,
     check_positive_int,
@@ -149,32 +149,32 @@ def test_a_method_that_can_be_called_as_written_passes(method: str) -> None:
     assert check_methods("thing", shapes, (method,), example="X") is shapes
 
 
-def test_hyperparameters_must_be_finite_and_fit_the_parameters_dtype() -> None:
+def test_hyperparameters_must_be_usable_and_fit_the_parameters_dtype() -> None:
     w32 = torch.nn.Parameter(torch.zeros(2))
     w64 = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
-    check_finite_hyperparameters(torch.optim.AdamW([w32], lr=1e-3, maximize=True))
-    check_finite_hyperparameters(torch.optim.SGD([w64], lr=1e300))  # float64 holds it
+    check_hyperparameters(torch.optim.AdamW([w32], lr=1e-3, maximize=True))
+    check_hyperparameters(torch.optim.SGD([w64], lr=1e300))  # float64 holds it
     with pytest.raises(
         ValueError, match=r"param_groups\[0\]\['lr'\] is inf; a learning rate must be a finite"
     ):
-        check_finite_hyperparameters(torch.optim.SGD([w32], lr=math.inf))
+        check_hyperparameters(torch.optim.SGD([w32], lr=math.inf))
     sgd = torch.optim.SGD([w32], lr=0.1)
     sgd.param_groups[0]["lr"] = -0.1  # SGD refuses it when built, not later
     with pytest.raises(ValueError, match=r"\['lr'\] is -0.1; a learning rate must be 0 or more"):
-        check_finite_hyperparameters(sgd)
+        check_hyperparameters(sgd)
     sgd.param_groups[0]["lr"] = 0.1
     sgd.param_groups[0]["momentum"] = math.nan
     with pytest.raises(ValueError, match=r"\['momentum'\] is nan; hyper-parameters must be finite"):
-        check_finite_hyperparameters(sgd)
+        check_hyperparameters(sgd)
     adamw = torch.optim.AdamW([w32])
     adamw.param_groups[0]["betas"] = (0.9, math.nan)  # AdamW refuses it when built, not later
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['betas'\] is \(0.9, nan\)"):
-        check_finite_hyperparameters(adamw)
+        check_hyperparameters(adamw)
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['lr'\] is tensor\(inf\)"):
-        check_finite_hyperparameters(torch.optim.AdamW([w32], lr=torch.tensor(math.inf)))
+        check_hyperparameters(torch.optim.AdamW([w32], lr=torch.tensor(math.inf)))
     two = torch.optim.SGD([{"params": [w64], "lr": 1e300}, {"params": [w32], "lr": 1e300}])
     with pytest.raises(
         ValueError,
         match=r"param_groups\[1\]\['lr'\] is 1e\+300, more than torch.float32 \(its parameters' dtype\)",
     ):
-        check_finite_hyperparameters(two)
+        check_hyperparameters(two)

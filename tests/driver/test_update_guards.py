@@ -57,8 +57,9 @@ def test_a_scheduler_that_makes_the_learning_rate_unusable_skips_those_updates(
     optimizer = sgd(toy64)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, from_update_2(factor))
     after: list[list[Tensor]] = []
+    plan = al.AccumulationPlan(2, 1)
     ledger = al.train(
-        toy64, batches(), optimizer, al.AccumulationPlan(2, 1), al.NextTokenLoss(),
+        toy64, batches(), optimizer, plan, al.NextTokenLoss(),
         scheduler=scheduler, progress=False, on_update=lambda r: after.append(weights(toy64)),
     )
     lrs = [r.lr for r in ledger.reports]
@@ -73,6 +74,8 @@ def test_a_scheduler_that_makes_the_learning_rate_unusable_skips_those_updates(
         assert "learning rate" in reason, reason
         assert "param_groups[0]['lr']" in reason and str(LR * factor) in reason, reason
     assert ledger.updates_skipped == 4
+    record = al.RunRecord.from_run(plan, ledger)
+    assert (record.skipped_hyperparameters, record.skipped_nonfinite) == (4, 0)
 
 
 @pytest.mark.parametrize("factor", [math.nan, math.inf, -1.0])
