@@ -1,4 +1,4 @@
-"""Test-only workers for ``tests/distributed/test_run_setup.py``: what a run derives and
+"""Test-only workers for ``tests/distributed/test_group_lookups.py``: what a run derives and
 checks, counted call by call (imported by spawned ranks, as ``rank_workers`` is).
 
 A profile function (``sys.setprofile``) counts every Python call of the watched functions

@@ -5,7 +5,7 @@ the scaler, the parameters an update steps, the modes), from ``loop.window_setup
 A window given the run's setup derives and checks nothing; a call of ``train_window`` or
 ``accumulate`` without one makes its own, so a lesson's call reads as it always did and
 ends on the same weights. The multi-rank count of the group lookups is
-``tests/distributed/test_run_setup.py``.
+``tests/distributed/test_group_lookups.py``.
 """
 
 from __future__ import annotations
