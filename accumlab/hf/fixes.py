@@ -74,12 +74,13 @@ trainer.compute_loss_func = example_mean_loss
 _OWN_COUNT = '''import types
 
 # This release passes compute_loss_func no count for this model:
-# count the window's targets here (after the shift for a causal LM).
+# count the window's targets here (after the shift for a causal LM,
+# one per labelled example for a classifier).
 _get_batch_samples = trainer.get_batch_samples
 
 def get_batch_samples_counted(self, epoch_iterator, num_batches, *device):
     batches, _ = _get_batch_samples(epoch_iterator, num_batches, *device)
-    count = sum(int((b["labels"][:, SHIFT] != -100).sum()) for b in batches)
+    count = sum(int((LABELS != -100).sum()) for b in batches)
     return batches, count
 
 trainer.get_batch_samples = types.MethodType(get_batch_samples_counted, trainer)
@@ -175,7 +176,9 @@ def _objective_loss(kind: str, trainer: Any, model: nn.Module) -> str:
     ):
         parts.append(_DECODER_INPUTS)
     if not _counts_for_compute_loss_func(trainer):
-        parts.append(_OWN_COUNT.replace("SHIFT", "1:" if kind == "causal" else ":"))
+        # a causal LM's targets are the labels after the shift; any other labels (one per
+        # example, or unshifted tokens) are counted as they stand
+        parts.append(_OWN_COUNT.replace("LABELS", 'b["labels"][:, 1:]' if kind == "causal" else 'b["labels"]'))
     elif kind == "causal" and not _counts_shifted(trainer):
         parts.append(_MASK_FIRST_LABEL)
     return "\n".join(parts)

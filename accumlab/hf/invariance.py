@@ -1,27 +1,38 @@
-"""Split invariance: the check for a job whose objective the audit does not know.
+"""Split invariance on the Trainer's own path: the check for a job whose objective the
+audit does not know, or whose reference cannot run.
 
 A correct window-level objective gives the same gradient for the same examples however
 they are split into microbatches: the loss of a window is a sum over its examples (or
 tokens, or pairs) divided once by the window's count. That property can be checked
-without knowing the objective. :func:`split_invariance` takes the window the job just
-ran, ``A`` microbatches of ``m`` examples, and runs the **same examples** through the
-job's own ``get_batch_samples`` (its ``num_items_in_batch``), ``training_step`` (its
-``compute_loss``, division by the accumulation steps, autocast) on its collated tensors,
-split otherwise, with the arguments set as a job configured for that split would have
-them (``per_device_train_batch_size``, ``gradient_accumulation_steps``):
+without knowing the objective, and without a reference forward pass. The window the job
+just ran, ``A`` microbatches, runs again on the job's own path (:mod:`accumlab.hf.steps`)
+at other splits of the **same examples**:
 
-- ``(m·A, 1)``, the whole window in one microbatch, where the microbatches can be joined
-  (right-padded to one width; not for left padding or packing kernels' keys) and it fits
-  in memory (an out-of-memory error skips it);
-- one finer split: ``(m/2, 2A)`` when ``m`` is even, else ``(1, m·A)`` (each microbatch's
-  rows cut; a preference batch's chosen and rejected blocks cut alike).
+- ``(n, 1)``, the whole window in one microbatch (its ``n`` examples), where the
+  microbatches can be joined (right-padded to one width; not for left padding or packing
+  kernels' keys) and it fits in memory (an out-of-memory error skips it). It is the
+  window as one batch, the reference: a job that accumulates (``A`` > 1) and differs from
+  it is wrong, and named;
+- one finer split: ``(m/2, 2A)`` when every microbatch holds the same even ``m``, else
+  ``(1, n)`` (each microbatch's rows cut; a preference batch's chosen and rejected blocks
+  cut alike). It names the mistake when the window cannot be joined; otherwise a
+  difference it shows while the whole window agrees is a note about that split.
 
-For each split it reports the factor ``a`` in ``g(m, A) ≈ a · g(split)`` (least squares)
-and the relative error ``‖g(m, A) − g(split)‖ / ‖g(split)‖``. All within the tolerance:
-ok. A factor of ``A_split / A`` with a small residual (the gradient shrinks as ``A``
-grows) is ``double_division``, a factor of about ``A / A_split`` (it grows with ``A``:
-per-microbatch means summed, the ``Trainer`` no longer dividing by ``A``) is
-``num_items_ignored``, anything else ``depends_on_split``.
+A job of ``A`` = 1 runs its window as one batch: its own update is the window's, and a
+dependence on the split shows only at an ``A`` it does not run, a note about that ``A``,
+never a mistake of this run. For a trainer that generates inside ``training_step``
+(online RL), the splits are those of its frozen generated buffer
+(:mod:`accumlab.hf.generated`).
+
+For each split the report gives the factor ``a`` in ``g(m, A) ≈ a · g(split)`` (least
+squares), the relative error ``‖g(m, A) − g(split)‖ / ‖g(split)‖`` and what the split
+would log. A factor of ``A_split / A`` with a small residual (the gradient shrinks as
+``A`` grows) is ``double_division``, a factor of about ``A / A_split`` (per-microbatch
+means summed, the ``Trainer`` no longer dividing by ``A``) ``num_items_ignored``; for a
+generated buffer, a factor of ``A / steps_per_generation`` is the generation batch's
+count used as the window's (``double_division`` when it is smaller than 1,
+``wrong_normalization`` when larger); anything else ``depends_on_split``. The names come
+from the shared table, :data:`accumlab.mistakes.MISTAKES`.
 
 The count is an integer fact the split cannot show (every split counts the same labels):
 for a causal LM whose Trainer passed a ``num_items_in_batch`` other than the targets after
@@ -30,47 +41,55 @@ the count; a gradient that moves by exactly their ratio divides by the count, an
 named ``count_before_shift``.
 
 It checks the property, not the objective's definition: a loss that is wrong the same
-way at every split (a wrong formula, a wrong constant factor) passes. It needs steps that
-draw no random numbers (dropout changes with the split) and ``m`` of at least 2.
-Memory: the job's gradient held (no copy) and one more gradient in ``.grad``; activations
-of one microbatch at a time, except the ``(m·A, 1)`` split, which runs the window's
-examples in one forward pass; time: one window per split, one more for the count.
+way at every split (a wrong formula, a wrong constant factor) passes. It needs steps
+whose loss draws no random numbers (dropout changes with the split) and a window of at
+least 2 examples. Memory: the job's gradient held (no copy) and one more gradient in
+``.grad``; activations of one microbatch at a time, except the ``(n, 1)`` split, which
+runs the window's examples in one forward pass; time: one window per split, one more for
+the count.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..least_squares import least_squares_products
-from .capture import CapturedWindow, held_gradient, unwrapped_model
-from .objectives import IGNORE_INDEX, PACKING_KEYS, is_causal_lm, job_targets
+from .capture import CapturedWindow, unwrapped_model
+from .generated import buffer_splits, generates
+from .objectives import is_causal_lm, job_targets
 from .reference import distance, dot
+from .rows import finer, join_rows, rows_of
+from .steps import Split, collated, run_split
 
 
 @dataclass
 class SplitMeasure:
     """The same examples as ``micro_batch_size`` × ``accumulation_steps``: the configured
-    window's gradient is ``factor`` times this split's, with ``relative_error``."""
+    window's gradient is ``factor`` times this split's, with ``relative_error``;
+    ``residual``: ‖g(m, A) − factor · g(split)‖ / ‖g(m, A)‖, what the factor leaves;
+    ``logged``: the loss the Trainer would log for this split (the sum of its steps'
+    returns; None when one is not a number); ``norm``: this split's gradient norm."""
 
     micro_batch_size: int
     accumulation_steps: int
     factor: float
     relative_error: float
-    residual: float = 0.0  # ‖g(m, A) − factor · g(split)‖ / ‖g(m, A)‖: what the factor leaves
+    residual: float = 0.0
+    logged: float | None = None
+    norm: float = math.nan
 
 
 @dataclass
 class Invariance:
-    """What :func:`split_invariance` found: the configured split, each other split's
-    measure, the names and their evidence (empty when invariant), what it could not run
-    (``skipped``), or ``reason`` when it could not check at all."""
+    """What :func:`split_invariance` found: the configured split (``examples`` in all), each
+    other split's measure, the names and their evidence (empty when invariant), notes
+    (a dependence at a split the job does not run), what it could not run (``skipped``),
+    or ``reason`` when it could not check at all; ``gradient_norm``: the job's own."""
 
     micro_batch_size: int
     accumulation_steps: int
@@ -78,170 +97,50 @@ class Invariance:
     mistakes: list[str]
     evidence: dict[str, str]
     reason: str = ""
-    skipped: list[str] | None = None
+    skipped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    examples: int = 0
+    gradient_norm: float = math.nan
 
 
-def rows_of(batch: dict[str, Any], examples: int | None = None) -> int:
-    """Examples in a collated microbatch: ``examples`` (the configured microbatch size)
-    when every tensor's leading size is a multiple of it (a preference batch stacks its
-    chosen and rejected rows: 2m), else the smallest leading size its tensors have."""
-    sizes = [v.shape[0] for v in batch.values() if isinstance(v, Tensor) and v.dim() >= 1]
-    if not sizes:
-        return 0
-    if examples and all(n % examples == 0 for n in sizes):
-        return examples
-    return min(sizes)
-
-
-def _blocks(v: Tensor, examples: int) -> int:
-    """How many blocks of one row per example ``v`` holds (0: not a per-example tensor)."""
-    return v.shape[0] // examples if v.dim() >= 1 and v.shape[0] % examples == 0 and v.shape[0] >= examples else 0
-
-
-def slice_rows(batch: dict[str, Any], start: int, stop: int, examples: int) -> dict[str, Any]:
-    """Examples ``start:stop`` of a collated microbatch of ``examples`` examples: a tensor
-    whose leading size is ``k · examples`` holds ``k`` blocks of one row per example
-    (chosen rows, then rejected rows), each block sliced alike; anything else is kept."""
-    out: dict[str, Any] = {}
-    for k, v in batch.items():
-        blocks = _blocks(v, examples) if isinstance(v, Tensor) else 0
-        if blocks:
-            parts = [v[j * examples + start : j * examples + stop] for j in range(blocks)]
-            out[k] = torch.cat(parts).clone() if blocks > 1 else parts[0].clone()
-        else:
-            out[k] = v
-    return out
-
-
-def _pad_value(key: str, pad_id: int) -> int:
-    if "label" in key:
-        return IGNORE_INDEX
-    if "mask" in key or "position" in key:
-        return 0
-    return pad_id
-
-
-def _left_padded(batch: dict[str, Any]) -> bool:
-    """True when some attention mask has a 0 before a 1 (padding on the left)."""
-    for k, v in batch.items():
-        if "attention_mask" in k and isinstance(v, Tensor) and v.dim() == 2 and v.shape[1] > 1:
-            if bool(((v[:, :-1] == 0) & (v[:, 1:] == 1)).any()):
-                return True
-    return False
-
-
-def join_rows(batches: list[dict[str, Any]], examples: int, pad_id: int = 0) -> dict[str, Any] | None:
-    """The microbatches as one: each per-example tensor's blocks concatenated block by
-    block, right-padded to the widest (labels with -100, masks and positions with 0, ids
-    with ``pad_id``); None when they cannot be joined that way (left padding, packing
-    kernels' keys, keys or non-tensor values that differ)."""
-    first = batches[0]
-    if any(k in first for k in PACKING_KEYS) or any(_left_padded(b) for b in batches):
-        return None
-    if any(b.keys() != first.keys() for b in batches):
-        return None
-    out: dict[str, Any] = {}
-    for key, value in first.items():
-        if not isinstance(value, Tensor):
-            if any(b[key] != value for b in batches):
-                return None
-            out[key] = value
-            continue
-        values = [b[key] for b in batches]
-        blocks = {_blocks(v, examples) for v in values}
-        if len(blocks) != 1 or not blocks.pop():
-            return None
-        k = _blocks(value, examples)
-        if any(v.shape[2:] != value.shape[2:] or v.dim() != value.dim() for v in values):
-            return None
-        width = max(v.shape[1] for v in values) if value.dim() >= 2 else None
-        padded = [v if width is None or v.shape[1] == width else
-                  F.pad(v, (0, 0) * (v.dim() - 2) + (0, width - v.shape[1]), value=_pad_value(key, pad_id))
-                  for v in values]
-        out[key] = torch.cat([v[j * examples:(j + 1) * examples] for j in range(k) for v in padded])
-    return out
-
-
-def other_splits(window: CapturedWindow, examples: int | None, pad_id: int = 0) -> list[tuple[int, list[dict[str, Any]]]]:
-    """``(m', microbatches)`` for ``(m·A, 1)`` when the microbatches join, and the finer
-    ``(m/2, 2A)`` (``m`` even) or ``(1, m·A)``; the finer one is missing for ``m = 1``, all
-    are for microbatches of unequal sizes."""
-    batches = [mb.inputs for mb in window.microbatches]
-    sizes = {rows_of(b, examples) for b in batches}
-    if len(sizes) != 1:
-        return []
-    (m,) = sizes
-    out = []
+def collated_splits(window: CapturedWindow, trainer: Any) -> tuple[int, list[int], list[Split]]:
+    """``(m, sizes, splits)`` of a window of collated microbatches: the configured size,
+    each microbatch's example count, and ``(n, 1)`` (when they join) and the finer split."""
+    examples = trainer.args.per_device_train_batch_size
+    batches = collated(window) or []
+    sizes = [rows_of(b, examples) for b in batches]
+    m = max(sizes, default=0)
+    pad_id = getattr(getattr(trainer, "processing_class", None), "pad_token_id", None) or 0
+    splits = []
     if len(batches) > 1:
-        joined = join_rows(batches, m, pad_id)
+        joined = join_rows(batches, sizes, pad_id)
         if joined is not None:
-            out.append((m * len(batches), [joined]))
-    if m > 1:
-        size = m // 2 if m % 2 == 0 else 1
-        out.append((size, [slice_rows(b, s, s + size, m) for b in batches for s in range(0, m, size)]))
-    return out
+            splits.append(Split(sum(sizes), [joined]))
+    cut = finer(batches, sizes)
+    if cut is not None:
+        splits.append(Split(cut[0], cut[1]))
+    return m, sizes, splits
 
 
-def batch_samples(trainer: Any, iterator: Any, count: int, device: Any) -> tuple[list[Any], Any]:
-    """``trainer.get_batch_samples`` as this release calls it: with ``device`` since 4.48
-    (and in a subclass that takes it), without it in 4.46-4.47. Read off the Trainer's
-    class, not the instance: a wrapper set on the instance (the audit's own count fix
-    takes ``*device``) calls the class's method the way the release does."""
-    import inspect
-
-    params = inspect.signature(type(trainer).get_batch_samples).parameters  # with self
-    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    takes_device = "device" in [p.name for p in positional] or len(positional) >= 4
-    if takes_device:
-        return trainer.get_batch_samples(iterator, count, device)
-    return trainer.get_batch_samples(iterator, count)
-
-
-def train_window(trainer: Any, model: Any, batches: list[Any], num_items: Any) -> None:
-    """The Trainer's own steps for one window: ``training_step`` on each microbatch, the
-    gradient sync on the last only (``accelerator.no_sync`` before it)."""
-    trainer.current_gradient_accumulation_steps = len(batches)
-    for i, inputs in enumerate(batches):
-        last = i == len(batches) - 1
-        trainer.accelerator.gradient_state._set_sync_gradients(last)
-        sync = contextlib.nullcontext() if last else trainer.accelerator.no_sync(model)
-        with sync:
-            trainer.training_step(model, inputs, num_items)
-
-
-def _run_split(trainer: Any, model: Any, window: CapturedWindow, size: int, batches: list[dict[str, Any]],
-               count: Any = None) -> list[Tensor | None]:
-    """The job's gradient for ``batches`` (``size`` examples each), configured as a job of
-    that split would be; ``count`` replaces the Trainer's ``num_items_in_batch``."""
-    model.zero_grad(set_to_none=True)
-    window.microbatches[0].rng.restore()
-    args = trainer.args
-    configured = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
-    args.per_device_train_batch_size, args.gradient_accumulation_steps = size, len(batches)
-    try:
-        samples, num_items = batch_samples(trainer, iter(batches), len(batches), args.device)
-        if count is not None:
-            num_items = torch.as_tensor(count, device=num_items.device) if isinstance(num_items, Tensor) else count
-        train_window(trainer, model, samples, num_items)
-    finally:
-        args.per_device_train_batch_size, args.gradient_accumulation_steps = configured
-    return held_gradient(trainer.model)
-
-
-def _measure(g: Any, f: float, other: list[Tensor | None], size: int, steps: int) -> SplitMeasure:
+def _measure(g: Any, f: float, other: list[Tensor | None], split: Split, logged: float | None) -> SplitMeasure:
     oo = dot(other, other)
     gg = f * f * dot(g, g)
     fit = least_squares_products(gg, [f * dot(g, other)], [[oo]])
     error = distance(g, f, other, 1.0) / math.sqrt(oo) if oo > 0 else math.nan
-    return SplitMeasure(size, steps, fit.coefficients[0] if oo > 0 else math.nan, error, fit.residual)
+    return SplitMeasure(split.size, split.accumulation_steps, fit.coefficients[0] if oo > 0 else math.nan,
+                        error, fit.residual, logged, math.sqrt(oo))
 
 
-def _named(s: SplitMeasure, ratio: float, tol: float) -> str:
-    """The name for one split; ``ratio`` is A(split) / A(configured). A gradient divided by
-    A once too often is exactly ``ratio`` times the split's; one summed over
-    per-microbatch means without the division by A grows with A: about ``1 / ratio``
-    times (closer to it than to 1, on a log scale: the means of uneven microbatches differ)."""
+def _named(s: SplitMeasure, ratio: float, tol: float, generation: float | None) -> str:
+    """The name for one split; ``ratio`` is A(split) / A(configured), ``generation`` the
+    factor a generated buffer's count gives when it is used as the window's (A /
+    steps_per_generation; None when they are equal). A gradient divided by A once too
+    often is exactly ``ratio`` times the split's; one summed over per-microbatch means
+    without the division by A grows with A: about ``1 / ratio`` times (closer to it than
+    to 1, on a log scale: the means of uneven microbatches differ)."""
     close = max(tol, 1e-3)
+    if generation is not None and s.residual <= close and abs(s.factor / generation - 1.0) <= close:
+        return "double_division" if generation < 1 else "wrong_normalization"
     if s.residual <= close and abs(s.factor / ratio - 1.0) <= close:
         return "double_division"
     if s.factor > 0 and abs(math.log(s.factor * ratio)) < 0.5 * abs(math.log(ratio)):
@@ -249,78 +148,111 @@ def _named(s: SplitMeasure, ratio: float, tol: float) -> str:
     return "depends_on_split"
 
 
+def _evidence(name: str, s: SplitMeasure, n: int, m: int, a: int, spg: int | None) -> str:
+    said = (f"the same {n} examples: gradient at ({m}, {a}) = {s.factor:.4g} x the one at "
+            f"({s.micro_batch_size}, {s.accumulation_steps}), relative error {s.relative_error:.2e}")
+    if name in ("double_division", "wrong_normalization") and spg is not None and spg != a:
+        said += (f" = A / steps_per_generation = {a}/{spg}: each microbatch is divided by the count "
+                 f"of the whole generation batch ({spg} microbatches), not by this window's share of it")
+    elif name == "double_division":
+        said += (f" (A went from {a} to {s.accumulation_steps} and the gradient by the same factor "
+                 "the other way: one division by A too many)")
+    return said
+
+
+def _split_note(s: SplitMeasure, n: int, m: int, a: int, name: str) -> str:
+    return (f"at ({s.micro_batch_size}, {s.accumulation_steps}), a split this job does not run, the "
+            f"same {n} examples give {1 / s.factor if s.factor else math.inf:.4g} x this gradient "
+            f"(relative error {s.relative_error:.1e}): a job of A = {s.accumulation_steps} would be "
+            f"{name}, not this one at ({m}, {a})")
+
+
 def split_invariance(trainer: Any, model: Any, window: CapturedWindow, tol: float) -> Invariance:
     """Run the window's examples at the other splits (see the module docstring) and
     compare. Call it inside :func:`accumlab.hf.state.preserved_trainer`, with the
     window's gradient held in ``window.gradient``; ``model`` is the one ``training_step``
     gets."""
-    examples = trainer.args.per_device_train_batch_size
-    m = rows_of(window.microbatches[0].inputs, examples) if window.microbatches else 0
     a = len(window.microbatches)
+    spg = None
+    if generates(window):
+        m, splits, skipped = buffer_splits(window, trainer)
+        sizes = [rows_of(mb.prepared or {}, m) for mb in window.microbatches]
+        spg = getattr(trainer.args, "steps_per_generation", None)
+    elif collated(window) is not None:
+        m, sizes, splits = collated_splits(window, trainer)
+        skipped = []
+    else:
+        return Invariance(0, a, [], [], {}, reason=(
+            f"{type(trainer).__name__} trains on {type(window.microbatches[0].inputs).__name__} "
+            "inputs and generates inside its own training_step without _prepare_inputs: the audit "
+            "cannot replay its buffer"))
+    n = sum(sizes)
+    unchecked = Invariance(m, a, [], [], {}, examples=n)
     if any(mb.random for mb in window.microbatches):
-        return Invariance(m, a, [], [], {}, reason=(
-            "the job's steps draw random numbers (dropout), which change with the split: turn "
-            "dropout off to check that its gradient does not depend on the split"))
-    pad_id = getattr(getattr(trainer, "processing_class", None), "pad_token_id", None) or 0
-    splits = other_splits(window, examples, pad_id)
-    if not splits:
-        return Invariance(m, a, [], [], {}, reason=(
-            f"a window of {a} microbatch{'es' if a != 1 else ''} of {m} example row"
-            f"{'s' if m != 1 else ''} cannot be split otherwise: use per_device_train_batch_size "
-            ">= 2 for the audit"))
+        unchecked.reason = ("the job's loss draws random numbers (dropout), which change with the "
+                            "split: turn dropout off to check that its gradient does not depend on the split")
+        return unchecked
     g, f = window.gradient, window.factor
+    own = abs(f) * math.sqrt(dot(g, g))
+    if own == 0:
+        unchecked.reason = ("the job's gradient for this window is zero (no target: every label "
+                            "masked?), so every split agrees: audit a window that has targets")
+        return unchecked
+    if not splits:
+        unchecked.reason = (f"a window of {n} example{'s' if n != 1 else ''} in {a} microbatch"
+                            f"{'es' if a != 1 else ''} cannot be split otherwise: audit a window of "
+                            "at least 2 examples (per_device_train_batch_size >= 2)")
+        return unchecked
     measures: list[SplitMeasure] = []
-    skipped: list[str] = []
-    for size, batches in splits:
+    for split in splits:
         try:
-            other = _run_split(trainer, model, window, size, batches)
+            other, logged = run_split(trainer, model, window, split)
         except torch.OutOfMemoryError:
             model.zero_grad(set_to_none=True)
-            skipped.append(f"({size}, {len(batches)}) did not fit in memory")
+            skipped.append(f"({split.size}, {split.accumulation_steps}) did not fit in memory")
             continue
-        measures.append(_measure(g, f, other, size, len(batches)))
+        measures.append(_measure(g, f, other, split, logged))
         del other
     model.zero_grad(set_to_none=True)
-    mistakes: list[str] = []
-    evidence: dict[str, str] = {}
+    result = Invariance(m, a, measures, [], {}, skipped=skipped, examples=n, gradient_norm=own)
+    generation = a / spg if spg and spg != a else None
+    whole = [s for s in measures if s.accumulation_steps == 1]
     for s in measures:
         if s.relative_error <= tol:
             continue
-        ratio = s.accumulation_steps / a
-        name = _named(s, ratio, tol)
-        if name not in evidence:
-            mistakes.append(name)
-            evidence[name] = (
-                f"the same {m * a} examples: gradient at ({m}, {a}) = {s.factor:.4g} x the one at "
-                f"({s.micro_batch_size}, {s.accumulation_steps}), relative error {s.relative_error:.2e}"
-                + (f" (A went from {a} to {s.accumulation_steps} and the gradient by the same "
-                   "factor the other way: one division by A too many)" if name == "double_division" else "")
-            )
+        name = _named(s, s.accumulation_steps / a, tol, generation if s.accumulation_steps == 1 else None)
+        if a == 1 or (whole and s not in whole):  # a split this job does not run
+            result.notes.append(_split_note(s, n, m, a, name))
+        elif name not in result.evidence:
+            result.mistakes.append(name)
+            result.evidence[name] = _evidence(name, s, n, m, a, spg)
     counted = count_check(trainer, model, window, tol)
     if counted:
-        mistakes.append("count_before_shift")
-        evidence["count_before_shift"] = counted
-    return Invariance(m, a, measures, mistakes, evidence, skipped=skipped)
+        result.mistakes.append("count_before_shift")
+        result.evidence["count_before_shift"] = counted
+    return result
 
 
 def count_check(trainer: Any, model: Any, window: CapturedWindow, tol: float) -> str:
     """Evidence that the job's loss divides by a ``num_items_in_batch`` counted before the
     causal shift (empty when it does not): the count differs from the targets after the
     shift, and with the targets as the count the gradient moves by exactly their ratio."""
+    batches = collated(window)
     first = window.microbatches[0]
-    labels = first.inputs.get("labels") if isinstance(first.inputs, dict) else None
+    labels = batches[0].get("labels") if batches else None
     nib = first.num_items_in_batch
-    if nib is None or not isinstance(labels, Tensor) or labels.dim() != 2 or not is_causal_lm(unwrapped_model(trainer)):
+    if nib is None or not isinstance(labels, Tensor) or labels.dim() != 2:
+        return ""
+    if not is_causal_lm(unwrapped_model(trainer)):
         return ""
     count = float(nib.float().reshape(-1)[0]) if isinstance(nib, Tensor) else float(nib)
-    targets = sum(job_targets(mb.inputs, shift=True) for mb in window.microbatches)
+    targets = sum(job_targets(b, shift=True) for b in batches or [])
     if targets == 0 or count == targets:
         return ""
     g, f = window.gradient, window.factor
-    batches = [mb.inputs for mb in window.microbatches]
-    other = _run_split(trainer, model, window, trainer.args.per_device_train_batch_size, batches,
-                       count=targets)
-    s = _measure(g, f, other, 0, 0)
+    split = Split(trainer.args.per_device_train_batch_size, [dict(b) for b in batches or []])
+    other, _ = run_split(trainer, model, window, split, count=targets)
+    s = _measure(g, f, other, split, None)
     del other
     model.zero_grad(set_to_none=True)
     expected = targets / count
@@ -331,15 +263,4 @@ def count_check(trainer: Any, model: Any, window: CapturedWindow, tol: float) ->
             f"(= {count:g}/{targets:g}): the loss divides by the count")
 
 
-__all__ = [
-    "Invariance",
-    "SplitMeasure",
-    "batch_samples",
-    "count_check",
-    "join_rows",
-    "other_splits",
-    "rows_of",
-    "slice_rows",
-    "split_invariance",
-    "train_window",
-]
+__all__ = ["Invariance", "SplitMeasure", "collated_splits", "count_check", "split_invariance"]

@@ -287,10 +287,11 @@ def scored_after_padding(batch: Mapping[str, Any], shift: bool) -> int:
 def attention_leak(model: nn.Module, batch: Mapping[str, Any], kind: str, device: torch.device) -> float:
     """How much an example's logits in its packed row differ from its logits alone: the
     largest ``|Δ logit|`` over the examples' positions, relative to the largest logit, from
-    forward passes in the model's own dtype without autocast and in eval mode (no dropout;
-    the caller restores the mode). 0 when no row holds several examples. A model whose
-    attention reads the example boundaries gives float rounding (about 1e-6 in float32); one
-    whose attention crosses them gives the difference the neighbours make."""
+    forward passes as ``model`` runs them (in its own dtype, under the autocast Accelerate
+    may have put on its ``forward``: the job's precision) and in eval mode (no dropout; the
+    caller restores the mode). 0 when no row holds several examples. A model whose
+    attention reads the example boundaries gives rounding (about 1e-7 in float32, 1e-3
+    under bf16); one whose attention crosses them gives the difference the neighbours make."""
     if kind != "causal" or not packed_rows(batch):
         return 0.0
     model.eval()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .invariance import Invariance
+from .logged import LoggedNumber
 from .reference import WindowMeasure
 from .verdict import CAUSES, TRAINER_MISTAKES
 
@@ -34,7 +35,10 @@ class TrainerAuditReport:
     cannot write for you), no code to paste. ``invariance``: the split-invariance
     results when the objective is not one the audit knows. ``windows``: per-window measurements. ``objective``: the reference objective.
     ``notes``: what this data cannot tell apart from a correct job, and how the run was
-    set up. ``not_checked``: what the audit does not look at.
+    set up. ``not_checked``: what the audit does not look at. ``logged``: the numbers the
+    Trainer logs for each audited window (``loss``, ``grad_norm``), judged apart from the
+    update (:mod:`accumlab.hf.logged`); ``logged_ok`` is False when one is wrong in a way
+    the update is not ("update ok; logged loss x A").
     """
 
     ok: bool
@@ -53,6 +57,19 @@ class TrainerAuditReport:
     not_checked: str = TRAINER_NOT_CHECKED
     unknown_objective: bool = False
     invariance: list[Invariance] = field(default_factory=list)
+    logged: list[LoggedNumber] = field(default_factory=list)
+
+    @property
+    def logged_ok(self) -> bool:
+        """No logged number is wrong apart from the update (see :mod:`accumlab.hf.logged`)."""
+        return not any(n.apart for n in self.logged)
+
+    @property
+    def accumulation_steps(self) -> int:
+        """A of the first audited window (1 when nothing was measured)."""
+        if self.windows:
+            return self.windows[0].microbatches
+        return self.invariance[0].accumulation_steps if self.invariance else 1
 
     @classmethod
     def unchecked(cls, reason: str, notes: list[str] | None = None, *,
@@ -83,7 +100,8 @@ class TrainerAuditReport:
         splits = [s for r in results for s in r.splits]
         worst = max(splits, key=lambda s: -1.0 if math.isnan(s.relative_error) else s.relative_error)
         fix = invariance_fix(mistakes, trainer, model, why)
-        notes = [f"split {skip}: not compared" for r in results for skip in (r.skipped or [])]
+        notes = [f"split {skip}: not compared" for r in results for skip in r.skipped]
+        notes += [note for r in results for note in r.notes]
         return cls(
             ok=not mistakes, checked=True, mistakes=mistakes, scale=worst.factor,
             relative_error=worst.relative_error, fix=fix, fix_is_advice=bool(fix) and not has_code(fix),
@@ -100,12 +118,16 @@ class TrainerAuditReport:
                 lines += _wrap(f"  note: {n}", "    ")
             return "\n".join(lines)
         verdict = "ok" if self.ok else "WRONG: " + ", ".join(self.mistakes)
+        apart = [n for n in self.logged if n.apart]
+        if apart:
+            said = ", ".join(f"logged {n.name} {n.finding}" for n in apart)
+            verdict = f"update {verdict}; {said}" if self.ok else f"{verdict}; {said}"
         lines = [f"accumulation audit: {verdict}"]
         lines += _wrap(f"  {'objective' if self.invariance else 'reference'}: {self.objective}", "    ")
         for i, r in enumerate(self.invariance):
             for sp in r.splits:
                 lines += _wrap(
-                    f"  window {i}: the same {r.micro_batch_size * r.accumulation_steps} examples at "
+                    f"  window {i}: the same {r.examples} examples at "
                     f"(m, A) = ({r.micro_batch_size}, {r.accumulation_steps}) give {sp.factor:.4f} x the "
                     f"gradient at ({sp.micro_batch_size}, {sp.accumulation_steps}), relative error "
                     f"{sp.relative_error:.1e}",
@@ -122,6 +144,8 @@ class TrainerAuditReport:
         for name in self.mistakes:
             lines += _wrap(f"  cause {name}: {CAUSES[name]}", "    ")
             lines += _wrap(f"    measured: {self.evidence[name]}", "      ")
+        for n in self.logged:
+            lines += _wrap(f"  {n.text(self.accumulation_steps)}", "    ")
         if self.fix:
             lines.append("  fix (what to change; then run the audit again):" if self.fix_is_advice
                          else "  fix (paste; then run the audit again):")
