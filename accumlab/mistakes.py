@@ -86,7 +86,7 @@ MISTAKES: dict[str, Mistake] = {
         "window; where the framework divides by A (Lightning, Accelerate), let it, and "
         "multiply by A only what it divides",
     ),
-    "short_window_divided_by_a": _split(
+    "short_window_divided_by_a": Mistake(
         "a window with fewer microbatches than A (the last of an epoch) still divides each "
         "loss by the configured A: its gradient is scaled by its microbatches over A",
         "the last update of every epoch is too small (one microbatch of A: 1/A of its size), "
@@ -94,6 +94,7 @@ MISTAKES: dict[str, Mistake] = {
         "divide by the window's own count (its targets, or its number of microbatches); in "
         "Lightning, drop the short last window (a sampler with drop_last, or a data set "
         "whose length is a multiple of m × A) or multiply by A / its microbatches",
+        frozenset({"loop", "split"}),
     ),
     "ignored_tokens_counted": _both(
         "the loss is divided by a count that includes positions it never scores (padding, "
