@@ -32,6 +32,9 @@ One idea per module, each importing only those listed before it (and the layers'
 
 - :mod:`.split`: :class:`Split` (microbatch sizes and the ``A`` the job divides by) and
   :func:`default_splits`;
+- :mod:`.batches`: collated microbatches cut into rows and joined again
+  (:func:`take_rows`, :func:`join_rows`, :class:`CannotJoin`), for adapters that see
+  only what a data loader collated;
 - :mod:`.gradients`: :class:`HeldGradient`, the one gradient copy, and the comparison
   (factor, relative error, residual);
 - :mod:`.report`: :class:`SplitMeasure` and :class:`InvarianceReport` with its text;
@@ -41,8 +44,9 @@ One idea per module, each importing only those listed before it (and the layers'
 - :mod:`.plain`: :func:`split_invariance`, the adapter for the user's own window code.
 """
 
+from .batches import CannotJoin, join_rows, rows_in, take_rows
 from .engine import TOLERANCES, NotChecked, Run, check_splits, default_tolerance
-from .gradients import Comparison, Gradient, HeldGradient
+from .gradients import Comparison, Gradient, HeldGradient, compare
 from .plain import split_invariance
 from .report import NOT_CHECKED, InvarianceReport, SplitMeasure
 from .split import Split, default_splits
@@ -51,6 +55,7 @@ from .state import ModelState, RandomState
 __all__ = [
     "NOT_CHECKED",
     "TOLERANCES",
+    "CannotJoin",
     "Comparison",
     "Gradient",
     "HeldGradient",
@@ -62,7 +67,11 @@ __all__ = [
     "Split",
     "SplitMeasure",
     "check_splits",
+    "compare",
     "default_splits",
     "default_tolerance",
+    "join_rows",
+    "rows_in",
     "split_invariance",
+    "take_rows",
 ]

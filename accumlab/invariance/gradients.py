@@ -6,7 +6,8 @@ copy (float32, or float64 for a float64 gradient: never narrower than float32), 
 gradient-sized memory the check adds; the gradient it is compared with stays where the
 adapter left it (the parameters' ``.grad``). :meth:`HeldGradient.compare` reads both a
 parameter at a time, in float64 (a float64 temporary of one parameter at a time), and
-gives the three numbers the check reads: the factor ``a`` of the least-squares fit
+gives the three numbers the check reads (:func:`compare` does the same for two gradients
+held elsewhere, without a copy): the factor ``a`` of the least-squares fit
 ``g ≈ a · held`` (:func:`accumlab.least_squares.least_squares_products`), the relative
 error ``‖g − held‖ / ‖held‖`` (formed entry by entry, so a float32 rounding error is
 measured, not lost) and the fit's residual ``‖g − a · held‖ / ‖g‖``.
@@ -127,29 +128,40 @@ class HeldGradient:
         """``gradient`` against the held one (see :class:`Comparison`)."""
         entries = self._entries(gradient)
         assert self.tensors is not None
-        gg = hh = gh = dd = 0.0
-        for h, g in zip(self.tensors, entries, strict=True):
-            if h is None and g is None:
-                continue
-            x = g.detach().reshape(-1).double() if g is not None else None
-            y = h.reshape(-1).to(x.device if x is not None else h.device).double() if h is not None else None
-            if x is not None:
-                gg += float(x.dot(x))
-            if y is not None:
-                hh += float(y.dot(y))
-            if x is not None and y is not None:
-                gh += float(x.dot(y))
-                dd += float((x - y).square().sum())
-            else:
-                dd += float((x if x is not None else y).square().sum())  # type: ignore[union-attr]
-            del x, y
-        norm, held_norm = math.sqrt(gg), math.sqrt(hh)
-        if not (math.isfinite(gg) and math.isfinite(hh) and math.isfinite(gh)):
-            return Comparison(math.nan, math.nan, math.nan, norm, held_norm)
-        if hh == 0.0:
-            return Comparison(math.nan, 0.0 if gg == 0.0 else math.inf, 0.0 if gg == 0.0 else 1.0, norm, held_norm)
-        fit = least_squares_products(gg, [gh], [[hh]])
-        return Comparison(fit.coefficients[0], math.sqrt(dd) / held_norm, fit.residual, norm, held_norm)
+        return compare(entries, self.tensors)
 
 
-__all__ = ["Comparison", "Gradient", "HeldGradient"]
+def compare(gradient: Gradient, held: Gradient) -> Comparison:
+    """``gradient`` against ``held`` (see :class:`Comparison`), both read where they are,
+    a parameter at a time in float64: no copy of either is made."""
+    entries = _check_entries(gradient, None)
+    others = _check_entries(held, len(entries))
+    gg = hh = gh = dd = 0.0
+    for i, (g, h) in enumerate(zip(entries, others, strict=True)):
+        if h is None and g is None:
+            continue
+        if g is not None and h is not None and g.shape != h.shape:
+            raise ValueError(f"entry {i}: shapes {tuple(g.shape)} and {tuple(h.shape)} differ")
+        x = g.detach().reshape(-1).double() if g is not None else None
+        y = h.detach().reshape(-1).to(x.device if x is not None else h.device).double() if h is not None else None
+        if x is not None:
+            gg += float(x.dot(x))
+        if y is not None:
+            hh += float(y.dot(y))
+        if x is not None and y is not None:
+            gh += float(x.dot(y))
+            dd += float((x - y).square().sum())
+        else:
+            dd += float((x if x is not None else y).square().sum())  # type: ignore[union-attr]
+        del x, y
+    norm, held_norm = math.sqrt(gg), math.sqrt(hh)
+    if not (math.isfinite(gg) and math.isfinite(hh) and math.isfinite(gh)):
+        return Comparison(math.nan, math.nan, math.nan, norm, held_norm)
+    if hh == 0.0:
+        return Comparison(math.nan, 0.0 if gg == 0.0 else math.inf, 0.0 if gg == 0.0 else 1.0,
+                          norm, held_norm)
+    fit = least_squares_products(gg, [gh], [[hh]])
+    return Comparison(fit.coefficients[0], math.sqrt(dd) / held_norm, fit.residual, norm, held_norm)
+
+
+__all__ = ["Comparison", "Gradient", "HeldGradient", "compare"]

@@ -76,7 +76,10 @@ def _same_numpy(a: Any, b: Any) -> bool:
 class ModelState:
     """The model's state before the check (see the module docstring)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, runs_from: RandomState | None = None) -> None:
+        """``runs_from``: the random state each run starts from (default: the state now,
+        which :meth:`close` puts back either way; a callback checking a window that already
+        ran passes the state the window started from)."""
         self.model = model
         self.params = list(model.parameters())
         self.grads = [p.grad for p in self.params]
@@ -84,11 +87,13 @@ class ModelState:
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
         self.versions = [p._version for p in self.params]
         self.random = RandomState.now()
+        self.runs_from = runs_from if runs_from is not None else self.random
         for p in self.params:
             p.grad = None
 
     def reset(self) -> None:
-        """Before a run: gradients cleared, modes, buffers and random states as snapshot."""
+        """Before a run: gradients cleared, modes and buffers as snapshot, the random
+        states as each run starts."""
         for p in self.params:
             p.grad = None
         for m, training in self.modes:
@@ -97,11 +102,11 @@ class ModelState:
             for b, saved in self.buffers:
                 if not torch.equal(b, saved):
                     b.copy_(saved)
-        self.random.restore()
+        self.runs_from.restore()
 
     def drew(self) -> list[str]:
         """The generators a run since :meth:`reset` drew from."""
-        return self.random.moved()
+        return self.runs_from.moved()
 
     def weights_written(self) -> list[int]:
         """Indices of the parameters written in place since the snapshot."""
@@ -110,6 +115,7 @@ class ModelState:
     def close(self) -> None:
         """Everything as before the check: the original ``.grad`` objects too."""
         self.reset()
+        self.random.restore()
         for p, g in zip(self.params, self.grads, strict=True):
             p.grad = g
 
