@@ -6,7 +6,9 @@ at each split, and the token mean computed one example at a time."""
 from __future__ import annotations
 
 import random
+import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +170,15 @@ def test_bad_arguments_are_named(model, examples):
         call(window=broken)
     if sys.version_info >= (3, 11):  # exceptions carry notes from 3.11
         assert "(raised by the window code at split (8, 1))" in info.value.__notes__
+
+
+def test_the_docs_example_runs_as_printed(capsys):
+    """docs/AUDIT.md's split-invariance section: its python block, run as it stands, prints
+    the text block below it."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "AUDIT.md").read_text(encoding="utf-8")
+    section = doc.partition("\n## Split invariance on your own job")[2].partition("\n## ")[0]
+    code = re.search(r"^```python\n(.*?)^```$", section, re.DOTALL | re.MULTILINE)
+    printed = re.search(r"^```text\n(.*?)^```$", section, re.DOTALL | re.MULTILINE)
+    assert code and printed, "the section has a python block and a text block"
+    exec(compile(code.group(1), "docs/AUDIT.md", "exec"), {})
+    assert capsys.readouterr().out == printed.group(1)
