@@ -230,7 +230,8 @@ def invariance_fix(mistakes: list[str], trainer: Any, model: nn.Module, why: str
     parts = []
     if "count_before_shift" in names:
         parts.append(_MASK_FIRST_LABEL)
-    split = names & {"double_division", "num_items_ignored", "depends_on_split"}
+    split = names & {"double_division", "num_items_ignored", "average_of_averages", "depends_on_split",
+                     "short_window_divided_by_a", "wrong_normalization"}
     if split and "router balance loss" in why:
         parts.append(_ROUTER)
     elif split:
@@ -239,7 +240,13 @@ def invariance_fix(mistakes: list[str], trainer: Any, model: nn.Module, why: str
         if "double_division" in names:
             lines.append("# - it is divided by A once too often: drop the extra / A (the Trainer already")
             lines.append("#   divides a per-microbatch mean by A, or num_items_in_batch counts the window).")
-        if names & {"num_items_ignored", "depends_on_split"}:
+        if "short_window_divided_by_a" in names:
+            lines.append("# - a short last window still divides by the configured A: divide by the")
+            lines.append("#   window's own count (num_items_in_batch) or current_gradient_accumulation_steps.")
+        if "wrong_normalization" in names:
+            lines.append("# - it is divided by a count of another window (a generation batch spanning")
+            lines.append("#   several updates): divide by this window's share of it.")
+        if names & {"num_items_ignored", "average_of_averages", "depends_on_split"}:
             lines.append("# - return the SUM of the per-example (or per-token) loss terms divided by the")
             lines.append("#   window's count, num_items_in_batch (passed to compute_loss), not a mean per")
             lines.append("#   microbatch; a term that is a statistic of the microbatch (a batch-level KL")

@@ -1,236 +1,288 @@
-"""Split invariance on the Trainer's own path: the check for a job whose objective the
-audit does not know, or whose reference cannot run.
+"""Split invariance on the Trainer's own path: the Trainer adapter of the one engine.
 
-A correct window-level objective gives the same gradient for the same examples however
-they are split into microbatches: the loss of a window is a sum over its examples (or
-tokens, or pairs) divided once by the window's count. That property can be checked
-without knowing the objective, and without a reference forward pass. The window the job
-just ran, ``A`` microbatches, runs again on the job's own path (:mod:`accumlab.hf.steps`)
-at other splits of the **same examples**:
+The check itself lives in :mod:`accumlab.invariance` (which splits run, the comparison,
+the names from the one table). This adapter gives the engine its ``run(split)``: the
+window the job just ran, its examples (the rows of its microbatches, in order) cut into
+the split's microbatches and run through the job's own steps
+(:func:`accumlab.hf.steps.run_split`: ``get_batch_samples`` and its
+``num_items_in_batch``, ``training_step`` with its ``compute_loss``, division by the
+accumulation steps and autocast), with the arguments a job of that split has. A split's
+microbatch that is one of the window's own microbatches is replayed as collated; rows of
+one microbatch are sliced out; rows of several are joined, right-padded to one width
+(not for left padding or packing kernels' keys: the window is then not joined, and the
+configured split itself is the reference). For a trainer that generates inside
+``training_step`` (online RL) the rows are its frozen generated buffer, never padded, with
+its own normalizers for the split (:mod:`accumlab.hf.generated`). The replay of the
+configured split must give the job's own gradient, or the job is not checked.
 
-- ``(n, 1)``, the whole window in one microbatch (its ``n`` examples), where the
-  microbatches can be joined (right-padded to one width; not for left padding or packing
-  kernels' keys) and it fits in memory (an out-of-memory error skips it). It is the
-  window as one batch, the reference: a job that accumulates (``A`` > 1) and differs from
-  it is wrong, and named;
-- one finer split: ``(m/2, 2A)`` when every microbatch holds the same even ``m``, else
-  ``(1, n)`` (each microbatch's rows cut; a preference batch's chosen and rejected blocks
-  cut alike). It names the mistake when the window cannot be joined; otherwise a
-  difference it shows while the whole window agrees is a note about that split.
+What the adapter adds to the engine's verdict, for a Trainer job as it is configured:
 
-A job of ``A`` = 1 runs its window as one batch: its own update is the window's, and a
-dependence on the split shows only at an ``A`` it does not run, a note about that ``A``,
-never a mistake of this run. For a trainer that generates inside ``training_step``
-(online RL), the splits are those of its frozen generated buffer
-(:mod:`accumlab.hf.generated`).
-
-For each split the report gives the factor ``a`` in ``g(m, A) ≈ a · g(split)`` (least
-squares), the relative error ``‖g(m, A) − g(split)‖ / ‖g(split)‖`` and what the split
-would log. A factor of ``A_split / A`` with a small residual (the gradient shrinks as
-``A`` grows) is ``double_division``, a factor of about ``A / A_split`` (per-microbatch
-means summed, the ``Trainer`` no longer dividing by ``A``) ``num_items_ignored``; for a
-generated buffer, a factor of ``A / steps_per_generation`` is the generation batch's
-count used as the window's (``double_division`` when it is smaller than 1,
-``wrong_normalization`` when larger); anything else ``depends_on_split``. The names come
-from the shared table, :data:`accumlab.mistakes.MISTAKES`.
-
-The count is an integer fact the split cannot show (every split counts the same labels):
-for a causal LM whose Trainer passed a ``num_items_in_batch`` other than the targets after
-the shift, :func:`count_check` runs the configured window once more with the targets as
-the count; a gradient that moves by exactly their ratio divides by the count, and is
-named ``count_before_shift``.
+- only the splits this job runs decide: with ``A`` > 1, the configured split against the
+  whole window as one microbatch (and a short last window when the job's epoch has one),
+  or, where the window cannot run whole, any dependence at all; a job of ``A`` = 1 runs
+  its window as one batch. A dependence at any other split is a note about that split,
+  never a mistake of this run;
+- the engine's ``sum_of_means`` is the Trainer's ``num_items_in_batch`` ignored:
+  ``num_items_ignored``;
+- for a generated buffer whose ``steps_per_generation`` differs from ``A``, a factor of
+  ``A / steps_per_generation`` against the whole window is the generation batch's count
+  used as the window's: ``double_division`` below 1, ``wrong_normalization`` above;
+- the count, an integer fact no split can show (every split counts the same labels): for
+  a causal LM whose Trainer passed a ``num_items_in_batch`` other than the targets after
+  the shift, :func:`count_check` runs the configured window once more with the targets as
+  the count; a gradient that moves by exactly their ratio is ``count_before_shift``;
+- what each split would log (the sum of its steps' returns) and the gradient norms, for
+  :mod:`accumlab.hf.logged`.
 
 It checks the property, not the objective's definition: a loss that is wrong the same
-way at every split (a wrong formula, a wrong constant factor) passes. It needs steps
-whose loss draws no random numbers (dropout changes with the split) and a window of at
-least 2 examples. Memory: the job's gradient held (no copy) and one more gradient in
-``.grad``; activations of one microbatch at a time, except the ``(n, 1)`` split, which
-runs the window's examples in one forward pass; time: one window per split, one more for
-the count.
+way at every split passes. It needs steps whose loss draws no random numbers (dropout
+changes with the split) and a window of at least 2 examples. Memory: the job's gradient
+held (no copy), the engine's one held copy, one more gradient in ``.grad``; activations of
+one microbatch at a time, except the ``(N, 1)`` split, which runs the window's examples
+in one forward pass (an out-of-memory error skips it).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from ..least_squares import least_squares_products
+from ..invariance import InvarianceReport, NotChecked, Split, SplitMeasure, check_splits, compare, default_splits
+from ..invariance.names import name_short, name_split, name_structure
 from .capture import CapturedWindow, unwrapped_model
-from .generated import buffer_splits, generates
+from .generated import COUNT, buffer_settings, generates, share
 from .objectives import is_causal_lm, job_targets
-from .reference import distance, dot
-from .rows import finer, join_rows, rows_of
-from .steps import Split, collated, run_split
+from .rows import join_rows, rows_of, slice_rows
+from .steps import Replayed, collated, run_split
 
-
-@dataclass
-class SplitMeasure:
-    """The same examples as ``micro_batch_size`` × ``accumulation_steps``: the configured
-    window's gradient is ``factor`` times this split's, with ``relative_error``;
-    ``residual``: ‖g(m, A) − factor · g(split)‖ / ‖g(m, A)‖, what the factor leaves;
-    ``logged``: the loss the Trainer would log for this split (the sum of its steps'
-    returns; None when one is not a number); ``norm``: this split's gradient norm."""
-
-    micro_batch_size: int
-    accumulation_steps: int
-    factor: float
-    relative_error: float
-    residual: float = 0.0
-    logged: float | None = None
-    norm: float = math.nan
+#: The engine's names as the Trainer audit says them.
+RENAME = {"sum_of_means": "num_items_ignored"}
 
 
 @dataclass
 class Invariance:
-    """What :func:`split_invariance` found: the configured split (``examples`` in all), each
-    other split's measure, the names and their evidence (empty when invariant), notes
-    (a dependence at a split the job does not run), what it could not run (``skipped``),
-    or ``reason`` when it could not check at all; ``gradient_norm``: the job's own."""
+    """One window checked by split invariance: the engine's report (every measure, each
+    split's gradient against the reference's), and for this job as configured its
+    ``mistakes`` and their ``evidence``, ``notes`` (a dependence at a split the job does
+    not run), ``reason`` when it could not check, what each split would log (``logged``,
+    by split) and the job's own gradient norm."""
 
-    micro_batch_size: int
-    accumulation_steps: int
-    splits: list[SplitMeasure]
-    mistakes: list[str]
-    evidence: dict[str, str]
-    reason: str = ""
-    skipped: list[str] = field(default_factory=list)
+    configured: Split
+    report: InvarianceReport | None = None
+    mistakes: list[str] = field(default_factory=list)
+    evidence: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    examples: int = 0
+    reason: str = ""
+    logged: dict[Split, float] = field(default_factory=dict)
     gradient_norm: float = math.nan
 
+    @property
+    def splits(self) -> list[SplitMeasure]:
+        """Every measure the engine made, in order."""
+        return list(self.report.measures) if self.report is not None else []
 
-def collated_splits(window: CapturedWindow, trainer: Any) -> tuple[int, list[int], list[Split]]:
-    """``(m, sizes, splits)`` of a window of collated microbatches: the configured size,
-    each microbatch's example count, and ``(n, 1)`` (when they join) and the finer split."""
-    examples = trainer.args.per_device_train_batch_size
-    batches = collated(window) or []
-    sizes = [rows_of(b, examples) for b in batches]
-    m = max(sizes, default=0)
-    pad_id = getattr(getattr(trainer, "processing_class", None), "pad_token_id", None) or 0
-    splits = []
-    if len(batches) > 1:
-        joined = join_rows(batches, sizes, pad_id)
-        if joined is not None:
-            splits.append(Split(sum(sizes), [joined]))
-    cut = finer(batches, sizes)
-    if cut is not None:
-        splits.append(Split(cut[0], cut[1]))
-    return m, sizes, splits
+    @property
+    def own(self) -> SplitMeasure | None:
+        """The configured split against the reference (None when it is the reference)."""
+        return self.report.measure(self.configured) if self.report is not None else None
 
+    @property
+    def skipped(self) -> list[str]:
+        return list(self.report.skipped) if self.report is not None else []
 
-def _measure(g: Any, f: float, other: list[Tensor | None], split: Split, logged: float | None) -> SplitMeasure:
-    oo = dot(other, other)
-    gg = f * f * dot(g, g)
-    fit = least_squares_products(gg, [f * dot(g, other)], [[oo]])
-    error = distance(g, f, other, 1.0) / math.sqrt(oo) if oo > 0 else math.nan
-    return SplitMeasure(split.size, split.accumulation_steps, fit.coefficients[0] if oo > 0 else math.nan,
-                        error, fit.residual, logged, math.sqrt(oo))
+    @property
+    def reference(self) -> Split | None:
+        """The split every other was compared with (the first measure's)."""
+        against = [m.against for m in self.splits if isinstance(m.against, Split)]
+        return against[0] if against else None
 
+    @property
+    def examples(self) -> int:
+        return self.configured.examples
 
-def _named(s: SplitMeasure, ratio: float, tol: float, generation: float | None) -> str:
-    """The name for one split; ``ratio`` is A(split) / A(configured), ``generation`` the
-    factor a generated buffer's count gives when it is used as the window's (A /
-    steps_per_generation; None when they are equal). A gradient divided by A once too
-    often is exactly ``ratio`` times the split's; one summed over per-microbatch means
-    without the division by A grows with A: about ``1 / ratio`` times (closer to it than
-    to 1, on a log scale: the means of uneven microbatches differ)."""
-    close = max(tol, 1e-3)
-    if generation is not None and s.residual <= close and abs(s.factor / generation - 1.0) <= close:
-        return "double_division" if generation < 1 else "wrong_normalization"
-    if s.residual <= close and abs(s.factor / ratio - 1.0) <= close:
-        return "double_division"
-    if s.factor > 0 and abs(math.log(s.factor * ratio)) < 0.5 * abs(math.log(ratio)):
-        return "num_items_ignored"
-    return "depends_on_split"
+    @property
+    def accumulation_steps(self) -> int:
+        return self.configured.accumulation_steps
 
 
-def _evidence(name: str, s: SplitMeasure, n: int, m: int, a: int, spg: int | None) -> str:
-    said = (f"the same {n} examples: gradient at ({m}, {a}) = {s.factor:.4g} x the one at "
-            f"({s.micro_batch_size}, {s.accumulation_steps}), relative error {s.relative_error:.2e}")
-    if name in ("double_division", "wrong_normalization") and spg is not None and spg != a:
-        said += (f" = A / steps_per_generation = {a}/{spg}: each microbatch is divided by the count "
-                 f"of the whole generation batch ({spg} microbatches), not by this window's share of it")
-    elif name == "double_division":
-        said += (f" (A went from {a} to {s.accumulation_steps} and the gradient by the same factor "
-                 "the other way: one division by A too many)")
-    return said
+class _Replay:
+    """The engine's ``run(split)`` for one captured window (see the module docstring)."""
+
+    def __init__(self, trainer: Any, model: Any, window: CapturedWindow, tol: float) -> None:
+        self.trainer, self.model, self.window, self.tol = trainer, model, window, tol
+        self.generated = generates(window)
+        self.batches: list[Mapping[str, Any]] = (
+            [mb.prepared for mb in window.microbatches] if self.generated else collated(window) or [])
+        m = trainer.args.per_device_train_batch_size
+        self.sizes = tuple(rows_of(b, m) for b in self.batches)
+        self.m = max(self.sizes, default=0)
+        self.configured = Split(self.sizes, len(self.sizes)) if all(self.sizes) else None
+        self.pad_id = getattr(getattr(trainer, "processing_class", None), "pad_token_id", None) or 0
+        self.logged: dict[Split, float] = {}
+
+    def _rows(self, first: int, stop: int) -> Mapping[str, Any] | None:
+        """Examples ``first:stop`` of the window as one microbatch (None: cannot join)."""
+        pieces, counts, start = [], [], 0
+        for batch, n in zip(self.batches, self.sizes, strict=True):
+            lo, hi = max(first, start), min(stop, start + n)
+            if lo < hi:
+                whole = (lo, hi) == (start, start + n)
+                pieces.append(batch if whole else slice_rows(batch, lo - start, hi - start, n))
+                counts.append(hi - lo)
+            start += n
+        if len(pieces) == 1:
+            return pieces[0]
+        return join_rows(pieces, counts, self.pad_id, pad=not self.generated)
+
+    def joins(self) -> bool:
+        """Whether the whole window can run as one microbatch."""
+        return len(self.batches) == 1 or self._rows(0, sum(self.sizes)) is not None
+
+    def replayed(self, split: Split) -> Replayed:
+        batches = []
+        for r in split.ranges():
+            rows = self._rows(r.start, r.stop)
+            if rows is None:
+                raise NotChecked(f"the rows of {split.label} cannot be joined into one microbatch")
+            batches.append(dict(rows))
+        settings: dict[str, Any] = {}
+        if self.generated:
+            settings, fraction = buffer_settings(self.trainer, self.m, split.sizes, split.accumulation_steps)
+            if fraction is not None:
+                for b in batches:
+                    if COUNT in b:
+                        b[COUNT] = share(b[COUNT], fraction)
+        return Replayed(max(split.sizes), batches, split.accumulation_steps, settings, self.generated)
+
+    def __call__(self, split: Split) -> list[Tensor | None]:
+        gradient, logged = run_split(self.trainer, self.model, self.window, self.replayed(split))
+        if logged is not None:
+            self.logged[split] = logged
+        if split == self.configured:  # the replay must be the job's own
+            own = [None if g is None else g * self.window.factor for g in self.window.gradient or []]
+            again = compare(gradient, own)
+            if not again.relative_error <= self.tol:
+                raise NotChecked(
+                    f"replaying the window at its own split {split.label} gives another gradient "
+                    f"than the job's (relative error {again.relative_error:.1e}): its steps depend on "
+                    "something the replay does not repeat")
+        return gradient
 
 
-def _split_note(s: SplitMeasure, n: int, m: int, a: int, name: str) -> str:
-    return (f"at ({s.micro_batch_size}, {s.accumulation_steps}), a split this job does not run, the "
-            f"same {n} examples give {1 / s.factor if s.factor else math.inf:.4g} x this gradient "
-            f"(relative error {s.relative_error:.1e}): a job of A = {s.accumulation_steps} would be "
-            f"{name}, not this one at ({m}, {a})")
+def _named(report: InvarianceReport, tol: float) -> dict[Split, tuple[str, str]]:
+    """The name and evidence each split's own comparison gives (the engine's names)."""
+    match = max(10 * tol, 1e-3)
+    out: dict[Split, tuple[str, str]] = {}
+    dependent = []
+    for m in report.measures:
+        if m.kind == "split" and m.relative_error > tol:
+            found = name_split(m, tolerance=tol, match=match)
+            if found:
+                out[m.split] = found
+            else:
+                dependent.append(m)
+        elif m.kind == "structure":
+            difference = next((d for d in dependent if d.split == m.split), None)
+            if difference is not None:
+                out[m.split] = name_structure(m, difference, match=match)
+        elif m.kind == "short":
+            found = name_short(m, tolerance=tol, match=match)
+            if found:
+                out[m.split] = found
+    for m in dependent:  # a structure that ran out of memory
+        out.setdefault(m.split, ("depends_on_split", f"{m.line()} (residual {m.residual:.1e})"))
+    return out
+
+
+def _has_short_window(trainer: Any, accumulation: int) -> bool:
+    """Whether an epoch of this job ends in a window of fewer than ``A`` microbatches."""
+    try:
+        return len(trainer.get_train_dataloader()) % accumulation != 0
+    except (TypeError, ValueError, NotImplementedError):
+        return False
 
 
 def split_invariance(trainer: Any, model: Any, window: CapturedWindow, tol: float) -> Invariance:
-    """Run the window's examples at the other splits (see the module docstring) and
-    compare. Call it inside :func:`accumlab.hf.state.preserved_trainer`, with the
-    window's gradient held in ``window.gradient``; ``model`` is the one ``training_step``
-    gets."""
+    """Check the window by split invariance (see the module docstring). Call it inside
+    :func:`accumlab.hf.state.preserved_trainer`, with the window's gradient held in
+    ``window.gradient``; ``model`` is the one ``training_step`` gets."""
+    replay = _Replay(trainer, model, window, tol)
     a = len(window.microbatches)
-    spg = None
-    if generates(window):
-        m, splits, skipped = buffer_splits(window, trainer)
-        sizes = [rows_of(mb.prepared or {}, m) for mb in window.microbatches]
-        spg = getattr(trainer.args, "steps_per_generation", None)
-    elif collated(window) is not None:
-        m, sizes, splits = collated_splits(window, trainer)
-        skipped = []
-    else:
-        return Invariance(0, a, [], [], {}, reason=(
-            f"{type(trainer).__name__} trains on {type(window.microbatches[0].inputs).__name__} "
-            "inputs and generates inside its own training_step without _prepare_inputs: the audit "
-            "cannot replay its buffer"))
-    n = sum(sizes)
-    unchecked = Invariance(m, a, [], [], {}, examples=n)
+    if not window.microbatches or (not replay.generated and collated(window) is None):
+        kind = type(window.microbatches[0].inputs).__name__ if window.microbatches else "no"
+        return Invariance(Split((1,), 1), reason=(
+            f"{type(trainer).__name__} trains on {kind} inputs and generates inside its own "
+            "training_step without _prepare_inputs: the audit cannot replay its buffer"))
+    if replay.configured is None:
+        return Invariance(Split((1,), 1), reason="a microbatch of the window holds no example rows")
+    configured = replay.configured
+    result = Invariance(configured)
     if any(mb.random for mb in window.microbatches):
-        unchecked.reason = ("the job's loss draws random numbers (dropout), which change with the "
-                            "split: turn dropout off to check that its gradient does not depend on the split")
-        return unchecked
-    g, f = window.gradient, window.factor
-    own = abs(f) * math.sqrt(dot(g, g))
-    if own == 0:
-        unchecked.reason = ("the job's gradient for this window is zero (no target: every label "
-                            "masked?), so every split agrees: audit a window that has targets")
-        return unchecked
-    if not splits:
-        unchecked.reason = (f"a window of {n} example{'s' if n != 1 else ''} in {a} microbatch"
-                            f"{'es' if a != 1 else ''} cannot be split otherwise: audit a window of "
-                            "at least 2 examples (per_device_train_batch_size >= 2)")
-        return unchecked
-    measures: list[SplitMeasure] = []
-    for split in splits:
-        try:
-            other, logged = run_split(trainer, model, window, split)
-        except torch.OutOfMemoryError:
-            model.zero_grad(set_to_none=True)
-            skipped.append(f"({split.size}, {split.accumulation_steps}) did not fit in memory")
-            continue
-        measures.append(_measure(g, f, other, split, logged))
-        del other
-    model.zero_grad(set_to_none=True)
-    result = Invariance(m, a, measures, [], {}, skipped=skipped, examples=n, gradient_norm=own)
-    generation = a / spg if spg and spg != a else None
-    whole = [s for s in measures if s.accumulation_steps == 1]
-    for s in measures:
-        if s.relative_error <= tol:
-            continue
-        name = _named(s, s.accumulation_steps / a, tol, generation if s.accumulation_steps == 1 else None)
-        if a == 1 or (whole and s not in whole):  # a split this job does not run
-            result.notes.append(_split_note(s, n, m, a, name))
-        elif name not in result.evidence:
-            result.mistakes.append(name)
-            result.evidence[name] = _evidence(name, s, n, m, a, spg)
+        result.reason = ("the job's loss draws random numbers (dropout), which change with the split: "
+                         "turn dropout off to check that its gradient does not depend on the split")
+        return result
+    own = [None if g is None else g * window.factor for g in window.gradient or []]
+    result.gradient_norm = compare(own, own).norm
+    if result.gradient_norm == 0:
+        result.reason = ("the job's gradient for this window is zero (no target: every label masked?), "
+                         "so every split agrees: audit a window that has targets")
+        return result
+    splits = default_splits(configured)
+    short_here = a > 1 and not replay.generated and _has_short_window(trainer, a)
+    if a > 1 and not replay.joins():  # the configured split is the reference
+        splits = [configured] + [s for s in splits if s.sizes != (configured.examples,) and s != configured]
+        result.notes.append(f"the window's rows cannot be joined into one microbatch: {configured.label} "
+                            "is the reference")
+    report = check_splits(replay, configured, splits=splits, tolerance=tol)
+    result.report, result.logged = report, replay.logged
+    if not report.checked:
+        result.reason = report.reason
+        return result
+    spg = getattr(trainer.args, "steps_per_generation", None) if replay.generated else None
+    _verdict(result, report, tol, short_here, spg)
     counted = count_check(trainer, model, window, tol)
     if counted:
         result.mistakes.append("count_before_shift")
         result.evidence["count_before_shift"] = counted
     return result
+
+
+def _verdict(result: Invariance, report: InvarianceReport, tol: float, short_here: bool,
+             spg: int | None) -> None:
+    """This run's mistakes and the notes about splits it does not run (see the module
+    docstring); ``spg``: a generated buffer's ``steps_per_generation`` (None otherwise)."""
+    configured = result.configured
+    match = max(10 * tol, 1e-3)
+    accumulates = configured.accumulation_steps > 1
+    joined = result.reference != configured  # else the window could not run as one microbatch
+    for split, (name, evidence) in _named(report, tol).items():
+        name = RENAME.get(name, name)
+        # with A > 1 the configured split against the whole window decides; where the
+        # window cannot run whole, any dependence is this accumulating run's
+        ours = accumulates and (split == configured or not joined)
+        if split.short:
+            ours = short_here
+            if not ours:
+                result.notes.append(f"a short last window, which this job's epochs do not have: {evidence}")
+                continue
+        if not ours:
+            result.notes.append(f"at {split.label}, a split this job does not run ({name}): {evidence}")
+            continue
+        measure = report.measure(split)
+        if spg and measure is not None and spg != configured.accumulation_steps:
+            generation = configured.accumulation_steps / spg
+            if measure.residual <= match and abs(measure.factor / generation - 1) <= match:
+                name = "double_division" if generation < 1 else "wrong_normalization"
+                evidence = (f"{measure.line()}, = A / steps_per_generation = {configured.accumulation_steps}/"
+                            f"{spg}: each microbatch is divided by the count of the whole generation batch "
+                            f"({spg} microbatches), not by this window's share of it")
+        if name not in result.evidence:
+            result.mistakes.append(name)
+            result.evidence[name] = evidence
 
 
 def count_check(trainer: Any, model: Any, window: CapturedWindow, tol: float) -> str:
@@ -249,18 +301,18 @@ def count_check(trainer: Any, model: Any, window: CapturedWindow, tol: float) ->
     targets = sum(job_targets(b, shift=True) for b in batches or [])
     if targets == 0 or count == targets:
         return ""
-    g, f = window.gradient, window.factor
-    split = Split(trainer.args.per_device_train_batch_size, [dict(b) for b in batches or []])
-    other, _ = run_split(trainer, model, window, split, count=targets)
-    s = _measure(g, f, other, split, None)
-    del other
+    own = [None if g is None else g * window.factor for g in window.gradient or []]
+    replayed = Replayed(trainer.args.per_device_train_batch_size, [dict(b) for b in batches or []],
+                        len(batches or []))
+    other, _ = run_split(trainer, model, window, replayed, count=targets)
+    c = compare(own, other)
     model.zero_grad(set_to_none=True)
     expected = targets / count
-    if s.residual > max(tol, 1e-3) or abs(s.factor / expected - 1.0) > max(tol, 1e-3) / 10:
+    if c.residual > max(tol, 1e-3) or abs(c.factor / expected - 1.0) > max(tol, 1e-3) / 10:
         return ""
     return (f"the Trainer's num_items_in_batch is {count:g} where the labels hold {targets:g} targets "
-            f"after the shift; with {targets:g} the gradient is {1 / s.factor:.4f} x the job's "
+            f"after the shift; with {targets:g} the gradient is {1 / c.factor:.4f} x the job's "
             f"(= {count:g}/{targets:g}): the loss divides by the count")
 
 
-__all__ = ["Invariance", "SplitMeasure", "collated_splits", "count_check", "split_invariance"]
+__all__ = ["RENAME", "Invariance", "count_check", "split_invariance"]

@@ -134,11 +134,13 @@ def _loss(window: CapturedWindow, index: int, measure: Any, invariance: Any, upd
         scale = measure.scale
         extra = [("average of averages", sum(means) / (accumulation * len(sums))),
                  ("sum of means", sum(means) / len(sums))]
-    else:
-        whole = next((s for s in invariance.splits if s.accumulation_steps == 1), None)
-        if whole is None or whole.logged is None:
+    else:  # the whole window as one microbatch, the engine's reference
+        reference = invariance.reference
+        if reference is None or reference.accumulation_steps != 1 or reference not in invariance.logged:
             return None
-        expected, scale, extra = whole.logged, whole.factor, []
+        own = invariance.report.measure(invariance.configured) if invariance.report is not None else None
+        expected, extra = invariance.logged[reference], []
+        scale = own.factor if own is not None else 1.0
     candidates = [("right", expected)]
     if not update_ok:
         candidates.append(("as the update", scale * expected))

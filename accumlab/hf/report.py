@@ -97,14 +97,16 @@ class TrainerAuditReport:
                     mistakes.append(name)
                     evidence[name] = r.evidence[name]
         mistakes = [name for name in TRAINER_MISTAKES if name in evidence]
-        splits = [s for r in results for s in r.splits]
-        worst = max(splits, key=lambda s: -1.0 if math.isnan(s.relative_error) else s.relative_error)
+        own = [m for r in results for m in r.splits if m.kind == "split" and m.split == r.configured]
+        splits = own or [m for r in results for m in r.splits if m.kind == "split"]
+        worst = max(splits, key=lambda m: -1.0 if math.isnan(m.relative_error) else m.relative_error,
+                    default=None)
         fix = invariance_fix(mistakes, trainer, model, why)
         notes = [f"split {skip}: not compared" for r in results for skip in r.skipped]
         notes += [note for r in results for note in r.notes]
         return cls(
-            ok=not mistakes, checked=True, mistakes=mistakes, scale=worst.factor,
-            relative_error=worst.relative_error, fix=fix, fix_is_advice=bool(fix) and not has_code(fix),
+            ok=not mistakes, checked=True, mistakes=mistakes, scale=worst.factor if worst else 1.0,
+            relative_error=worst.relative_error if worst else 0.0, fix=fix, fix_is_advice=bool(fix) and not has_code(fix),
             evidence=evidence, objective=f"{why}: checked by split invariance",
             tolerance=tolerance, invariance=results, not_checked=INVARIANCE_NOT_CHECKED, notes=notes,
         )
@@ -125,14 +127,9 @@ class TrainerAuditReport:
         lines = [f"accumulation audit: {verdict}"]
         lines += _wrap(f"  {'objective' if self.invariance else 'reference'}: {self.objective}", "    ")
         for i, r in enumerate(self.invariance):
-            for sp in r.splits:
-                lines += _wrap(
-                    f"  window {i}: the same {r.examples} examples at "
-                    f"(m, A) = ({r.micro_batch_size}, {r.accumulation_steps}) give {sp.factor:.4f} x the "
-                    f"gradient at ({sp.micro_batch_size}, {sp.accumulation_steps}), relative error "
-                    f"{sp.relative_error:.1e}",
-                    "    ",
-                )
+            lines += _wrap(f"  window {i}: configured as {r.configured.label}; the gradient of its "
+                           f"{r.examples} examples at each split:", "    ")
+            lines += [line for m in r.splits for line in _wrap(f"    {m.line()}", "      ")]
         for i, w in enumerate(self.windows):
             counts = _counts(w.rank_trainer_counts or [w.trainer_count])
             lines += _wrap(

@@ -2,8 +2,11 @@
 
 A collated microbatch is a mapping of tensors whose leading dimension runs over its
 examples, ``m`` rows; a preference batch may stack several blocks of one row per example
-(its chosen rows, then its rejected rows: ``k · m`` rows), which are cut alike. Values
-that are not per-example (a count, a flag) are kept as they are. These functions never
+(its chosen rows, then its rejected rows: ``k · m`` rows), which are cut alike, and a
+list of ``m`` values (the texts a preference collator keeps) is cut like a row. Values
+that are not per-example (a count, a flag) are kept as they are. These differ from
+:mod:`accumlab.invariance.batches` (the engine's, for a loader's batches) where a
+Trainer's batches need it: the stacked blocks, the lists, the tokenizer's padding id. These functions never
 pad on the left and never join packed rows (their attention kernels' keys describe the
 row as collated).
 """
@@ -44,6 +47,9 @@ def slice_rows(batch: Mapping[str, Any], start: int, stop: int, examples: int) -
     block of a per-example tensor sliced alike; anything else is kept."""
     out: dict[str, Any] = {}
     for key, v in batch.items():
+        if isinstance(v, list) and len(v) == examples:
+            out[key] = v[start:stop]
+            continue
         k = blocks(v, examples) if isinstance(v, Tensor) else 0
         if k:
             parts = [v[j * examples + start : j * examples + stop] for j in range(k)]
@@ -93,6 +99,9 @@ def join_rows(batches: Sequence[Mapping[str, Any]], examples: Sequence[int], pad
     out: dict[str, Any] = {}
     for key, value in first.items():
         values = [b[key] for b in batches]
+        if all(isinstance(v, list) and len(v) == n for v, n in zip(values, examples, strict=True)):
+            out[key] = [x for v in values for x in v]
+            continue
         if not isinstance(value, Tensor) or value.dim() == 0:
             if not all(_same(v, value) for v in values[1:]):
                 return None

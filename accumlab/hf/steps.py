@@ -27,21 +27,19 @@ from .capture import CapturedWindow, held_gradient
 
 
 @dataclass
-class Split:
-    """One way to run a window's examples: ``size`` examples per microbatch (0 when they
-    differ), the microbatches, the argument values a job of this split has (beyond
-    ``per_device_train_batch_size`` and ``gradient_accumulation_steps``), and whether
-    the microbatches are a generating trainer's frozen buffer (handed to its loss as they
-    are) rather than collated inputs (run through ``get_batch_samples`` first)."""
+class Replayed:
+    """The microbatches one split of a window replays: ``size`` examples per microbatch
+    (the largest), the microbatches, the ``A`` a job of the split divides by
+    (``accumulation_steps``: more than the microbatches for a short window), the other
+    argument values a job of this split has, and whether the microbatches are a
+    generating trainer's frozen buffer (handed to its loss as they are) rather than
+    collated inputs (run through ``get_batch_samples`` first)."""
 
     size: int
     batches: list[dict[str, Any]]
+    accumulation_steps: int
     settings: dict[str, Any] = field(default_factory=dict)
     generated: bool = False
-
-    @property
-    def accumulation_steps(self) -> int:
-        return len(self.batches)
 
 
 def batch_samples(trainer: Any, iterator: Any, count: int, device: Any) -> tuple[list[Any], Any]:
@@ -73,7 +71,7 @@ def train_window(trainer: Any, model: Any, batches: Sequence[Any], num_items: An
 
 
 @contextlib.contextmanager
-def configured_as(trainer: Any, split: Split) -> Iterator[None]:
+def configured_as(trainer: Any, split: Replayed) -> Iterator[None]:
     """The Trainer's arguments as a job of ``split`` has them, put back on exit; for a
     generated split, ``_prepare_inputs`` hands back its microbatches one per call."""
     args = trainer.args
@@ -104,7 +102,7 @@ def configured_as(trainer: Any, split: Split) -> Iterator[None]:
                 vars(trainer).pop("_prepare_inputs", None)
 
 
-def run_split(trainer: Any, model: Any, window: CapturedWindow, split: Split,
+def run_split(trainer: Any, model: Any, window: CapturedWindow, split: Replayed,
               count: Any = None) -> tuple[list[Tensor | None], float | None]:
     """The job's gradient for ``split`` (the ``.grad`` tensors themselves, fresh ones) and
     the loss it would log for it (the sum of the steps' returns; None where one is not a
@@ -138,4 +136,4 @@ def collated(window: CapturedWindow) -> list[Mapping[str, Any]] | None:
     return inputs if all(isinstance(b, Mapping) for b in inputs) else None
 
 
-__all__ = ["Split", "batch_samples", "collated", "configured_as", "run_split", "train_window"]
+__all__ = ["Replayed", "batch_samples", "collated", "configured_as", "run_split", "train_window"]

@@ -21,8 +21,11 @@ from ..mistakes import MISTAKES, reported_by
 from .reference import WindowMeasure, same_on_every_rank
 
 #: Every name ``TrainerAuditReport.mistakes`` can hold, in the order they are reported:
-#: the Trainer audit's names of the shared table :data:`accumlab.mistakes.MISTAKES`.
-TRAINER_MISTAKES: tuple[str, ...] = reported_by("trainer")
+#: the Trainer audit's names of the shared table :data:`accumlab.mistakes.MISTAKES` and the
+#: split-invariance engine's (but ``sum_of_means``, which it says as ``num_items_ignored``).
+TRAINER_MISTAKES: tuple[str, ...] = tuple(
+    name for name in MISTAKES
+    if name in set(reported_by("trainer")) | set(reported_by("split")) - {"sum_of_means"})
 
 #: What each name means, in one sentence a person reads (the shared table's cause).
 CAUSES: dict[str, str] = {name: MISTAKES[name].cause for name in TRAINER_MISTAKES}

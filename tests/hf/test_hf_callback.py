@@ -227,9 +227,10 @@ class Regression(torch.nn.Module):
 @pytest.mark.parametrize(("m", "a"), [(M, A), (1, A), (1, 1)])
 def test_a_loss_it_does_not_know_is_checked_by_split_invariance_or_not_checked(tmp_path, m, a):
     """A regression (float labels): no objective the audit knows. The run's own window is
-    joined into one microbatch, (m·A, 1), and split finer where m >= 2 (a mean per
-    microbatch of equal sizes, divided by A: invariant, ok); a window of one microbatch of
-    one example cannot be split otherwise: a warning says so, never an error or an ok."""
+    joined into one microbatch, (m·A, 1), the reference, against the configured split, one
+    example per microbatch where m >= 2, and a short window (a mean per microbatch of
+    equal sizes, divided by A: invariant, ok); a window of one microbatch of one example
+    cannot be split otherwise: a warning says so, never an error or an ok."""
     g = torch.Generator().manual_seed(0)
     rows = [
         {"x": torch.randn(3, generator=g), "labels": torch.randn((), generator=g)}
@@ -253,8 +254,8 @@ def test_a_loss_it_does_not_know_is_checked_by_split_invariance_or_not_checked(t
         trainer.train()
         (report,) = callback.reports
         assert report.ok and report.invariance, str(report)
-        expected = [(m * a, 1)] + ([(1, m * a)] if m > 1 else [])
-        assert [(s.micro_batch_size, s.accumulation_steps) for s in report.invariance[0].splits] == expected
+        expected = (["(2, 4)", "(1, 8)"] if m > 1 else ["(1, 4)"]) + [f"({m},) A={a}"]  # and the short window
+        assert [s.split.label for s in report.invariance[0].splits] == expected
         return
     with pytest.warns(AccumulationWarning, match="not checked: the labels are floating point"):
         trainer.train()
