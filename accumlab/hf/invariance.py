@@ -218,18 +218,21 @@ def split_invariance(trainer: Any, model: Any, window: CapturedWindow, tol: floa
             f"{type(trainer).__name__} trains on {kind} inputs and generates inside its own "
             "training_step without _prepare_inputs: the audit cannot replay its buffer"))
     if replay.configured is None:
-        return Invariance(Split((1,), 1), reason="a microbatch of the window holds no example rows")
+        return Invariance(Split((1,), 1), reason=(
+            f"{type(trainer).__name__} hands training_step inputs without per-example tensors (it "
+            "generates inside its own training_step): the audit cannot replay them"))
     configured = replay.configured
     result = Invariance(configured)
     if any(mb.random for mb in window.microbatches):
-        result.reason = ("the job's loss draws random numbers (dropout), which change with the split: "
-                         "turn dropout off to check that its gradient does not depend on the split")
+        result.reason = ("the job's steps draw random numbers (dropout, or completions sampled inside "
+                         "the step), which change with the split: turn dropout off to check that its "
+                         "gradient does not depend on the split")
         return result
     own = [None if g is None else g * window.factor for g in window.gradient or []]
     result.gradient_norm = compare(own, own).norm
     if result.gradient_norm == 0:
-        result.reason = ("the job's gradient for this window is zero (no target: every label masked?), "
-                         "so every split agrees: audit a window that has targets")
+        result.reason = ("the job's gradient for this window is zero (no target, or every advantage "
+                         "zero), so every split agrees: audit a window that has some")
         return result
     splits = default_splits(configured)
     short_here = a > 1 and not replay.generated and _has_short_window(trainer, a)

@@ -23,9 +23,11 @@ PROMPTS = ("the cat", "a dog ran")
 GENERATIONS = 4
 
 
-def reward(completions: list[str], **_: Any) -> list[float]:
-    """Vowels minus a third of the length: completions of one prompt score differently."""
-    return [float(sum(c in "aeiou" for c in text)) - len(text) / 3.0 for text in completions]
+def reward(completions: list[Any], **_: Any) -> list[float]:
+    """Vowels minus a third of the length: completions of one prompt score differently (a
+    conversational completion, a list of messages, by their contents)."""
+    texts = [c if isinstance(c, str) else " ".join(m["content"] for m in c) for c in completions]
+    return [float(sum(ch in "aeiou" for ch in text)) - len(text) / 3.0 for text in texts]
 
 
 def build(kind: str = "grpo", loss_type: str | None = "dapo", *, m: int = 2, a: int = 4,
