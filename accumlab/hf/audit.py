@@ -56,7 +56,8 @@ def _check_arguments(trainer: Any, steps: int, objective: Any) -> None:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int (optimizer steps to audit), got {steps!r}")
     if objective is not None and not (
-        callable(getattr(objective, "count", None)) and callable(getattr(objective, "loss_sum", None))
+        callable(getattr(objective, "count", None))
+        and callable(getattr(objective, "loss_sum", None))
     ):
         raise TypeError(
             "objective must be None (inferred from the model) or an accumlab Objective with "
@@ -104,11 +105,20 @@ def _not_checked_reason(trainer: Any) -> str | None:
     model = trainer.model
     params = list(model.parameters())
     if any(p.device.type == "meta" for p in params):
-        return "the model has parameters on the meta device (no values to train): load its weights first"
+        return (
+            "the model has parameters on the meta device (no values to train): "
+            "load its weights first"
+        )
     if not any(p.requires_grad for p in params):
-        return "the model has no trainable parameter (every requires_grad is False): nothing to accumulate"
+        return (
+            "the model has no trainable parameter (every requires_grad is False): "
+            "nothing to accumulate"
+        )
     if getattr(trainer, "is_deepspeed_enabled", False):
-        return "DeepSpeed owns the gradient (partitioned, scaled inside its engine): the audit cannot read it"
+        return (
+            "DeepSpeed owns the gradient (partitioned, scaled inside its engine): "
+            "the audit cannot read it"
+        )
     if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
         return "FSDP shards the gradient inside Accelerate's plugin: the audit cannot read it"
     if isinstance(trainer.train_dataset, IterableDataset):
@@ -117,7 +127,10 @@ def _not_checked_reason(trainer: Any) -> str | None:
             "put back, so the run after it would miss them"
         )
     if getattr(trainer.args, "n_gpu", 1) > 1:
-        return "torch.nn.DataParallel (several GPUs in one process) is not audited: launch with torchrun"
+        return (
+            "torch.nn.DataParallel (several GPUs in one process) is not audited: "
+            "launch with torchrun"
+        )
     return None
 
 
@@ -142,7 +155,11 @@ def trainer_grad_norm(trainer: Any, model: Any) -> None:
     clips = max_norm is not None and max_norm > 0
     try:
         if hasattr(trainer, "_get_grad_norm"):
-            total = trainer._clip_grad_norm(model) if clips and hasattr(trainer, "_clip_grad_norm") else None
+            total = (
+                trainer._clip_grad_norm(model)
+                if clips and hasattr(trainer, "_clip_grad_norm")
+                else None
+            )
             trainer._get_grad_norm(model, grad_norm=total)
         elif clips:
             trainer.accelerator.clip_grad_norm_(model.parameters(), max_norm)
@@ -164,7 +181,9 @@ def run_windows(trainer: Any, steps: int) -> list[CapturedWindow]:
     try:
         with capture.install(trainer):
             for _ in range(steps):
-                batches, num_items = batch_samples(trainer, iterator, accumulation, trainer.args.device)
+                batches, num_items = batch_samples(
+                    trainer, iterator, accumulation, trainer.args.device
+                )
                 if not batches:
                     break
                 capture.open_window()
@@ -182,19 +201,23 @@ def run_windows(trainer: Any, steps: int) -> list[CapturedWindow]:
     return capture.windows
 
 
-def invariance_report(trainer: Any, windows: list[CapturedWindow], unknown: TrainerAuditReport) -> TrainerAuditReport:
+def invariance_report(
+    trainer: Any, windows: list[CapturedWindow], unknown: TrainerAuditReport
+) -> TrainerAuditReport:
     """The report for a job whose objective the audit does not know, or whose reference
     cannot run: split invariance of each window (:mod:`accumlab.hf.invariance`), run
     inside :func:`preserved_trainer`."""
     ok_tol, _ = tolerances(trainer)
     model = _training_model(trainer)
     results = [split_invariance(trainer, model, w, ok_tol) for w in windows if w.microbatches]
-    return TrainerAuditReport.from_invariance(results, unknown.reason, ok_tol, trainer,
-                                              unwrapped_model(trainer))
+    return TrainerAuditReport.from_invariance(
+        results, unknown.reason, ok_tol, trainer, unwrapped_model(trainer)
+    )
 
 
-def measured_report(trainer: Any, windows: list[CapturedWindow],
-                    objective: Objective | None = None) -> TrainerAuditReport:
+def measured_report(
+    trainer: Any, windows: list[CapturedWindow], objective: Objective | None = None
+) -> TrainerAuditReport:
     """Captured windows to a report, shared by :func:`audit_trainer` and the callback:
     against the objective the job means (:func:`~accumlab.hf.diagnose.diagnose`), else
     by split invariance on the job's own path; then the numbers the Trainer logs
@@ -256,7 +279,8 @@ def audit_trainer(
     except Exception as err:  # noqa: BLE001 - a report, never an error out of the audit
         return TrainerAuditReport.unchecked(
             f"the audit could not run {type(trainer).__name__}'s training step: "
-            f"{type(err).__name__}: {err}")
+            f"{type(err).__name__}: {err}"
+        )
     for note in (_version_note(), _checkpointing_note(trainer)):
         if note is not None:
             report.notes.append(note)

@@ -150,7 +150,9 @@ class AuditCallback(TrainerCallback):
         recorder.close_window(trainer.model)  # a no-op when clipping already closed it
         windows, recorder.windows = recorder.windows, []
         if recorder.broken:
-            return TrainerAuditReport.unchecked(f"the audit could not follow this run: {recorder.broken}")
+            return TrainerAuditReport.unchecked(
+                f"the audit could not follow this run: {recorder.broken}"
+            )
         from .audit import measured_report
 
         return measured_report(trainer, windows, self.objective)
@@ -174,8 +176,10 @@ class AuditCallback(TrainerCallback):
 
 def _failed(what: str, err: BaseException) -> str:
     """The "not checked" reason for an error of the audit's own."""
-    return (f"the audit could not {what}: {type(err).__name__}: {err} (the run goes on as "
-            "without the audit; please report this job)")
+    return (
+        f"the audit could not {what}: {type(err).__name__}: {err} (the run goes on as "
+        "without the audit; please report this job)"
+    )
 
 
 def _calling_trainer() -> Trainer:

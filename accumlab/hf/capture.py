@@ -62,7 +62,11 @@ class RngState:
 
     @classmethod
     def now(cls) -> RngState:
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        cuda = (
+            torch.cuda.get_rng_state_all()
+            if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else []
+        )
         return cls(torch.get_rng_state(), cuda)
 
     def restore(self) -> None:
@@ -71,8 +75,11 @@ class RngState:
             torch.cuda.set_rng_state_all(self.cuda)
 
     def same_as(self, other: RngState) -> bool:
-        return torch.equal(self.cpu, other.cpu) and len(self.cuda) == len(other.cuda) and all(
-            torch.equal(a, b) for a, b in zip(self.cuda, other.cuda, strict=True))
+        return (
+            torch.equal(self.cpu, other.cpu)
+            and len(self.cuda) == len(other.cuda)
+            and all(torch.equal(a, b) for a, b in zip(self.cuda, other.cuda, strict=True))
+        )
 
 
 @dataclass
@@ -145,7 +152,7 @@ def gradient_norm(gradient: list[Tensor | None]) -> float:
     for g in gradient:
         if g is not None:
             total += float(g.detach().double().pow(2).sum())
-    return total ** 0.5
+    return total**0.5
 
 
 def clone_inputs(inputs: Any) -> Any:
@@ -174,7 +181,9 @@ class TrainerCapture:
         self.windows: list[CapturedWindow] = []
         self.broken = ""  # why a recording failed; the capture then records nothing more
         self._open: CapturedWindow | None = None
-        self._closed: CapturedWindow | None = None  # the last window closed, until its norm is noted
+        self._closed: CapturedWindow | None = (
+            None  # the last window closed, until its norm is noted
+        )
         self._model: nn.Module | None = None
         self._scaler: Any = None
         self._undo: list[tuple[object, str, bool, Any]] = []
@@ -264,8 +273,9 @@ class TrainerCapture:
         self._model = trainer.model
         step = trainer.training_step
 
-        def training_step(model: nn.Module, inputs: Any, num_items_in_batch: Any = None,
-                          *a: Any, **k: Any) -> Any:
+        def training_step(
+            model: nn.Module, inputs: Any, num_items_in_batch: Any = None, *a: Any, **k: Any
+        ) -> Any:
             self._guarded("a microbatch", self.record, inputs, num_items_in_batch)
             returned = None
             try:

@@ -62,13 +62,18 @@ def mixed_precision(trainer: Any) -> bool:
     args = getattr(trainer, "args", None)
     if getattr(args, "bf16", False) or getattr(args, "fp16", False):
         return True
-    return any(p.dtype in (torch.float16, torch.bfloat16) for p in trainer.model.parameters() if p.requires_grad)
+    return any(
+        p.dtype in (torch.float16, torch.bfloat16)
+        for p in trainer.model.parameters()
+        if p.requires_grad
+    )
 
 
 def autocast_context(trainer: Any) -> Any:
     """The job's autocast, as its ``compute_loss`` runs under it (a no-op in fp32)."""
     make = getattr(trainer, "compute_loss_context_manager", None) or getattr(
-        trainer, "autocast_smart_context_manager", None)
+        trainer, "autocast_smart_context_manager", None
+    )
     return make if callable(make) else contextlib.nullcontext
 
 
@@ -84,12 +89,16 @@ def own_loss(trainer: Any, model: torch.nn.Module) -> str | None:
         config = getattr(m, "config", None)
         coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
         if getattr(config, "output_router_logits", False) and coef > 0:
-            return (f"{type(m).__name__} adds a router balance loss (router_aux_loss_coef {coef:g}) "
-                    "to its cross-entropy")
+            return (
+                f"{type(m).__name__} adds a router balance loss (router_aux_loss_coef {coef:g}) "
+                "to its cross-entropy"
+            )
     return None
 
 
-def intended_for(trainer: Any, model: torch.nn.Module, batch: Any, objective: Objective | None) -> Intended:
+def intended_for(
+    trainer: Any, model: torch.nn.Module, batch: Any, objective: Objective | None
+) -> Intended:
     """The objective the job means: the caller's, or the one its model and labels imply
     (with the Trainer's label smoothing); unknown when the loss is the job's own."""
     if objective is not None:
@@ -118,31 +127,46 @@ def nonfinite(trainer: Any, windows: Sequence[CapturedWindow]) -> str | None:
     model = unwrapped_model(trainer)
     bad = [name for name, p in trainable_parameters(model) if not bool(torch.isfinite(p).all())]
     if bad:
-        return (f"the model's weights hold NaN or inf ({len(bad)} tensors, first {bad[0]}): every "
-                "gradient is undefined; load or train finite weights first, then check the accumulation")
+        return (
+            f"the model's weights hold NaN or inf ({len(bad)} tensors, first {bad[0]}): every "
+            "gradient is undefined; load or train finite weights first, then check the accumulation"
+        )
     for w in windows:
         if any(g is not None and not bool(torch.isfinite(g).all()) for g in w.gradient or []):
             if any(_zero(mb.num_items_in_batch) for mb in w.microbatches):
-                return ("the audited window has no target (the Trainer's num_items_in_batch is 0), so "
-                        "its loss divides 0 by 0 and the gradient is NaN: audit a window that has targets")
-            return ("the window's gradient holds NaN or inf with finite weights (an overflow, or a loss "
-                    "divided by a count of zero): fix that first; the accumulation was not compared")
+                return (
+                    "the audited window has no target (the Trainer's num_items_in_batch is 0), so "
+                    "its loss divides 0 by 0 and the gradient is NaN: audit a window that has "
+                    "targets"
+                )
+            return (
+                "the window's gradient holds NaN or inf with finite weights (an overflow, or a "
+                "loss "
+                "divided by a count of zero): fix that first; the accumulation was not compared"
+            )
     return None
 
 
 def _zero(count: Any) -> bool:
     try:
-        return count is not None and float(count.float().sum() if isinstance(count, torch.Tensor) else count) == 0
+        return (
+            count is not None
+            and float(count.float().sum() if isinstance(count, torch.Tensor) else count) == 0
+        )
     except (TypeError, ValueError):
         return False
 
 
 def no_targets(measures: Sequence[Any], kind: str) -> str:
     """The plain message for windows without a single target."""
-    what = {"masked": "no token was masked (every label is -100): the MLM collator masked none",
-            "causal": "every label is -100 after the shift"}.get(kind, "every label is -100")
-    return (f"the audited window has no target ({what}), so every normalization gives the same zero "
-            "gradient: audit a window that has targets")
+    what = {
+        "masked": "no token was masked (every label is -100): the MLM collator masked none",
+        "causal": "every label is -100 after the shift",
+    }.get(kind, "every label is -100")
+    return (
+        f"the audited window has no target ({what}), so every normalization gives the same zero "
+        "gradient: audit a window that has targets"
+    )
 
 
 def diagnose(
@@ -160,17 +184,23 @@ def diagnose(
     if intended.objective is None:
         return TrainerAuditReport.unchecked(intended.described, unknown_objective=True)
     described = intended.described
-    device = getattr(getattr(trainer, "args", None), "device", None) or next(model.parameters()).device
+    device = (
+        getattr(getattr(trainer, "args", None), "device", None) or next(model.parameters()).device
+    )
     ok_tol, match = tolerances(trainer)
     try:
         with preserved_model(model):
             leak = LEAK_MIXED if mixed_precision(trainer) else LEAK_FP32
-            measures = [measure_window(model, w, intended, device, autocast_context(trainer), leak)
-                        for w in windows]
+            measures = [
+                measure_window(model, w, intended, device, autocast_context(trainer), leak)
+                for w in windows
+            ]
     except (TypeError, ValueError, KeyError, IndexError, RuntimeError, AttributeError) as err:
         return TrainerAuditReport.unchecked(  # split invariance needs no reference: it takes over
             f"the reference (each example alone through {type(model).__name__}) cannot run on this "
-            f"job ({type(err).__name__}: {err})", unknown_objective=True)
+            f"job ({type(err).__name__}: {err})",
+            unknown_objective=True,
+        )
     if all(m.targets == 0 for m in measures):
         return TrainerAuditReport.unchecked(no_targets(measures, intended.kind))
     empty = sum(m.targets == 0 for m in measures)
@@ -187,7 +217,9 @@ def diagnose(
     if mistakes == ["not_token_mean"]:  # the loss is not the audited one: check the property
         return TrainerAuditReport.unchecked(
             f"the gradient is no weighting of the {described} (scale {worst.scale:.4f}, relative "
-            f"error {worst.relative_error:.1e}): the loss is the job's own", unknown_objective=True)
+            f"error {worst.relative_error:.1e}): the loss is the job's own",
+            unknown_objective=True,
+        )
     fix = fix_for(mistakes, trainer, model, objective_kind(intended), measures[0].ranks)
     notes = []
     if ok:
@@ -222,4 +254,12 @@ def diagnose(
     )
 
 
-__all__ = ["FP32_TOLERANCE", "MIXED_TOLERANCE", "diagnose", "no_targets", "nonfinite", "own_loss", "tolerances"]
+__all__ = [
+    "FP32_TOLERANCE",
+    "MIXED_TOLERANCE",
+    "diagnose",
+    "no_targets",
+    "nonfinite",
+    "own_loss",
+    "tolerances",
+]

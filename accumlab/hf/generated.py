@@ -51,8 +51,9 @@ def share(value: Any, fraction: float) -> Any:
     return float(value) * fraction
 
 
-def buffer_settings(trainer: Any, m: int, sizes: tuple[int, ...],
-                    accumulation_steps: int) -> tuple[dict[str, Any], float | None]:
+def buffer_settings(
+    trainer: Any, m: int, sizes: tuple[int, ...], accumulation_steps: int
+) -> tuple[dict[str, Any], float | None]:
     """``(settings, fraction)`` for a split of ``sizes`` completions per microbatch whose
     job divides by ``accumulation_steps``, in a window of slices of ``m`` (see the module
     docstring): the arguments to set, and the fraction of the frozen count each of its

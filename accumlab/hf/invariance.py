@@ -51,7 +51,15 @@ from typing import Any
 
 from torch import Tensor
 
-from ..invariance import InvarianceReport, NotChecked, Split, SplitMeasure, check_splits, compare, default_splits
+from ..invariance import (
+    InvarianceReport,
+    NotChecked,
+    Split,
+    SplitMeasure,
+    check_splits,
+    compare,
+    default_splits,
+)
 from ..invariance.names import name_short, name_split, name_structure
 from .capture import CapturedWindow, unwrapped_model
 from .generated import COUNT, buffer_settings, generates, share
@@ -116,7 +124,10 @@ class _Replay:
         self.trainer, self.model, self.window, self.tol = trainer, model, window, tol
         self.generated = generates(window)
         self.batches: list[Mapping[str, Any]] = (
-            [mb.prepared for mb in window.microbatches] if self.generated else collated(window) or [])
+            [mb.prepared for mb in window.microbatches]
+            if self.generated
+            else collated(window) or []
+        )
         m = trainer.args.per_device_train_batch_size
         self.sizes = tuple(rows_of(b, m) for b in self.batches)
         self.m = max(self.sizes, default=0)
@@ -151,25 +162,33 @@ class _Replay:
             batches.append(dict(rows))
         settings: dict[str, Any] = {}
         if self.generated:
-            settings, fraction = buffer_settings(self.trainer, self.m, split.sizes, split.accumulation_steps)
+            settings, fraction = buffer_settings(
+                self.trainer, self.m, split.sizes, split.accumulation_steps
+            )
             if fraction is not None:
                 for b in batches:
                     if COUNT in b:
                         b[COUNT] = share(b[COUNT], fraction)
-        return Replayed(max(split.sizes), batches, split.accumulation_steps, settings, self.generated)
+        return Replayed(
+            max(split.sizes), batches, split.accumulation_steps, settings, self.generated
+        )
 
     def __call__(self, split: Split) -> list[Tensor | None]:
         gradient, logged = run_split(self.trainer, self.model, self.window, self.replayed(split))
         if logged is not None:
             self.logged[split] = logged
         if split == self.configured:  # the replay must be the job's own
-            own = [None if g is None else g * self.window.factor for g in self.window.gradient or []]
+            own = [
+                None if g is None else g * self.window.factor for g in self.window.gradient or []
+            ]
             again = compare(gradient, own)
             if not again.relative_error <= self.tol:
                 raise NotChecked(
                     f"replaying the window at its own split {split.label} gives another gradient "
-                    f"than the job's (relative error {again.relative_error:.1e}): its steps depend on "
-                    "something the replay does not repeat")
+                    f"than the job's (relative error {again.relative_error:.1e}): its steps "
+                    "depend on "
+                    "something the replay does not repeat"
+                )
         return gradient
 
 
@@ -214,32 +233,49 @@ def split_invariance(trainer: Any, model: Any, window: CapturedWindow, tol: floa
     a = len(window.microbatches)
     if not window.microbatches or (not replay.generated and collated(window) is None):
         kind = type(window.microbatches[0].inputs).__name__ if window.microbatches else "no"
-        return Invariance(Split((1,), 1), reason=(
-            f"{type(trainer).__name__} trains on {kind} inputs and generates inside its own "
-            "training_step without _prepare_inputs: the audit cannot replay its buffer"))
+        return Invariance(
+            Split((1,), 1),
+            reason=(
+                f"{type(trainer).__name__} trains on {kind} inputs and generates inside its own "
+                "training_step without _prepare_inputs: the audit cannot replay its buffer"
+            ),
+        )
     if replay.configured is None:
-        return Invariance(Split((1,), 1), reason=(
-            f"{type(trainer).__name__} hands training_step inputs without per-example tensors (it "
-            "generates inside its own training_step): the audit cannot replay them"))
+        return Invariance(
+            Split((1,), 1),
+            reason=(
+                f"{type(trainer).__name__} hands training_step inputs without per-example "
+                "tensors (it "
+                "generates inside its own training_step): the audit cannot replay them"
+            ),
+        )
     configured = replay.configured
     result = Invariance(configured)
     if any(mb.random for mb in window.microbatches):
-        result.reason = ("the job's steps draw random numbers (dropout, or completions sampled inside "
-                         "the step), which change with the split: turn dropout off to check that its "
-                         "gradient does not depend on the split")
+        result.reason = (
+            "the job's steps draw random numbers (dropout, or completions sampled inside "
+            "the step), which change with the split: turn dropout off to check that its "
+            "gradient does not depend on the split"
+        )
         return result
     own = [None if g is None else g * window.factor for g in window.gradient or []]
     result.gradient_norm = compare(own, own).norm
     if result.gradient_norm == 0:
-        result.reason = ("the job's gradient for this window is zero (no target, or every advantage "
-                         "zero), so every split agrees: audit a window that has some")
+        result.reason = (
+            "the job's gradient for this window is zero (no target, or every advantage "
+            "zero), so every split agrees: audit a window that has some"
+        )
         return result
     splits = default_splits(configured)
     short_here = a > 1 and not replay.generated and _has_short_window(trainer, a)
     if a > 1 and not replay.joins():  # the configured split is the reference
-        splits = [configured] + [s for s in splits if s.sizes != (configured.examples,) and s != configured]
-        result.notes.append(f"the window's rows cannot be joined into one microbatch: {configured.label} "
-                            "is the reference")
+        splits = [configured] + [
+            s for s in splits if s.sizes != (configured.examples,) and s != configured
+        ]
+        result.notes.append(
+            f"the window's rows cannot be joined into one microbatch: {configured.label} "
+            "is the reference"
+        )
     report = check_splits(replay, configured, splits=splits, tolerance=tol)
     result.report, result.logged = report, replay.logged
     if not report.checked:
@@ -254,8 +290,9 @@ def split_invariance(trainer: Any, model: Any, window: CapturedWindow, tol: floa
     return result
 
 
-def _verdict(result: Invariance, report: InvarianceReport, tol: float, short_here: bool,
-             spg: int | None) -> None:
+def _verdict(
+    result: Invariance, report: InvarianceReport, tol: float, short_here: bool, spg: int | None
+) -> None:
     """This run's mistakes and the notes about splits it does not run (see the module
     docstring); ``spg``: a generated buffer's ``steps_per_generation`` (None otherwise)."""
     configured = result.configured
@@ -270,19 +307,26 @@ def _verdict(result: Invariance, report: InvarianceReport, tol: float, short_her
         if split.short:
             ours = short_here
             if not ours:
-                result.notes.append(f"a short last window, which this job's epochs do not have: {evidence}")
+                result.notes.append(
+                    f"a short last window, which this job's epochs do not have: {evidence}"
+                )
                 continue
         if not ours:
-            result.notes.append(f"at {split.label}, a split this job does not run ({name}): {evidence}")
+            result.notes.append(
+                f"at {split.label}, a split this job does not run ({name}): {evidence}"
+            )
             continue
         measure = report.measure(split)
         if spg and measure is not None and spg != configured.accumulation_steps:
             generation = configured.accumulation_steps / spg
             if measure.residual <= match and abs(measure.factor / generation - 1) <= match:
                 name = "double_division" if generation < 1 else "wrong_normalization"
-                evidence = (f"{measure.line()}, = A / steps_per_generation = {configured.accumulation_steps}/"
-                            f"{spg}: each microbatch is divided by the count of the whole generation batch "
-                            f"({spg} microbatches), not by this window's share of it")
+                evidence = (
+                    f"{measure.line()}, = A / steps_per_generation = "
+                    f"{configured.accumulation_steps}/"
+                    f"{spg}: each microbatch is divided by the count of the whole generation batch "
+                    f"({spg} microbatches), not by this window's share of it"
+                )
         if name not in result.evidence:
             result.mistakes.append(name)
             result.evidence[name] = evidence
@@ -305,17 +349,22 @@ def count_check(trainer: Any, model: Any, window: CapturedWindow, tol: float) ->
     if targets == 0 or count == targets:
         return ""
     own = [None if g is None else g * window.factor for g in window.gradient or []]
-    replayed = Replayed(trainer.args.per_device_train_batch_size, [dict(b) for b in batches or []],
-                        len(batches or []))
+    replayed = Replayed(
+        trainer.args.per_device_train_batch_size,
+        [dict(b) for b in batches or []],
+        len(batches or []),
+    )
     other, _ = run_split(trainer, model, window, replayed, count=targets)
     c = compare(own, other)
     model.zero_grad(set_to_none=True)
     expected = targets / count
     if c.residual > max(tol, 1e-3) or abs(c.factor / expected - 1.0) > max(tol, 1e-3) / 10:
         return ""
-    return (f"the Trainer's num_items_in_batch is {count:g} where the labels hold {targets:g} targets "
-            f"after the shift; with {targets:g} the gradient is {1 / c.factor:.4f} x the job's "
-            f"(= {count:g}/{targets:g}): the loss divides by the count")
+    return (
+        f"the Trainer's num_items_in_batch is {count:g} where the labels hold {targets:g} targets "
+        f"after the shift; with {targets:g} the gradient is {1 / c.factor:.4f} x the job's "
+        f"(= {count:g}/{targets:g}): the loss divides by the count"
+    )
 
 
 __all__ = ["RENAME", "Invariance", "count_check", "split_invariance"]

@@ -43,8 +43,11 @@ from .reference import all_gather_objects
 FINDINGS = ("right", "as the update", "x A", "/ A", "average of averages", "sum of means", "off")
 
 #: The logged form each update mistake takes: the number then shows the update's mistake.
-AS_THE_UPDATE = {"num_items_ignored": "sum of means", "average_of_averages": "average of averages",
-                 "double_division": "/ A"}
+AS_THE_UPDATE = {
+    "num_items_ignored": "sum of means",
+    "average_of_averages": "average of averages",
+    "double_division": "/ A",
+}
 
 
 @dataclass
@@ -77,15 +80,22 @@ class LoggedNumber:
         elif self.finding in ("off", "as the update"):
             body = f"{self.ratio:.4g} x {what} {self.expected:.6g}"
         else:
-            body = (f"the {MEANS[self.finding]}, not {what} {self.expected:.6g} (ratio "
-                    f"{self.ratio:.4g})")
+            body = (
+                f"the {MEANS[self.finding]}, not {what} {self.expected:.6g} (ratio "
+                f"{self.ratio:.4g})"
+            )
         return f"{head}: {body}, {'apart from' if self.apart else 'as'} the update"
 
 
 #: What each logged number should be, as the report says it.
-WHAT = {"loss": "the window's objective", "grad_norm": "the norm of the update's gradient before clipping"}
-MEANS = {"average of averages": "average of the microbatches' own means",
-         "sum of means": "sum of the microbatches' own means"}
+WHAT = {
+    "loss": "the window's objective",
+    "grad_norm": "the norm of the update's gradient before clipping",
+}
+MEANS = {
+    "average of averages": "average of the microbatches' own means",
+    "sum of means": "sum of the microbatches' own means",
+}
 
 
 def _near(value: float, target: float, tol: float) -> bool:
@@ -121,24 +131,46 @@ def _logged_loss(window: CapturedWindow) -> float | None:
     return None if any(v is None for v in every) else sum(every) / len(every)
 
 
-def _loss(window: CapturedWindow, index: int, measure: Any, invariance: Any, update_ok: bool,
-          mistakes: Sequence[str], accumulation: int, tol: float) -> LoggedNumber | None:
+def _loss(
+    window: CapturedWindow,
+    index: int,
+    measure: Any,
+    invariance: Any,
+    update_ok: bool,
+    mistakes: Sequence[str],
+    accumulation: int,
+    tol: float,
+) -> LoggedNumber | None:
     logged = _logged_loss(window)
     if logged is None:
         return None
     if measure is not None:  # a known objective: the reference's loss sums and counts
         sums, counts = measure.rank_loss_sums, measure.microbatch_targets
         expected = sum(sum(r) for r in sums) / measure.targets if measure.targets else math.nan
-        means = [s / n for r_s, r_n in zip(sums, counts, strict=True)
-                 for s, n in zip(r_s, r_n, strict=True) if n]
+        means = [
+            s / n
+            for r_s, r_n in zip(sums, counts, strict=True)
+            for s, n in zip(r_s, r_n, strict=True)
+            if n
+        ]
         scale = measure.scale
-        extra = [("average of averages", sum(means) / (accumulation * len(sums))),
-                 ("sum of means", sum(means) / len(sums))]
+        extra = [
+            ("average of averages", sum(means) / (accumulation * len(sums))),
+            ("sum of means", sum(means) / len(sums)),
+        ]
     else:  # the whole window as one microbatch, the engine's reference
         reference = invariance.reference
-        if reference is None or reference.accumulation_steps != 1 or reference not in invariance.logged:
+        if (
+            reference is None
+            or reference.accumulation_steps != 1
+            or reference not in invariance.logged
+        ):
             return None
-        own = invariance.report.measure(invariance.configured) if invariance.report is not None else None
+        own = (
+            invariance.report.measure(invariance.configured)
+            if invariance.report is not None
+            else None
+        )
         expected, extra = invariance.logged[reference], []
         scale = own.factor if own is not None else 1.0
     candidates = [("right", expected)]
@@ -148,27 +180,54 @@ def _loss(window: CapturedWindow, index: int, measure: Any, invariance: Any, upd
     if accumulation == 1:
         candidates = [c for c in candidates if c[0] in ("right", "as the update")]
     finding = _find(logged, candidates, tol)
-    return LoggedNumber("loss", index, logged, expected, logged / expected if expected else math.nan,
-                        finding, _apart(finding, update_ok, mistakes))
+    return LoggedNumber(
+        "loss",
+        index,
+        logged,
+        expected,
+        logged / expected if expected else math.nan,
+        finding,
+        _apart(finding, update_ok, mistakes),
+    )
 
 
-def _grad_norm(window: CapturedWindow, index: int, measured: float, update_ok: bool,
-               mistakes: Sequence[str], accumulation: int, tol: float) -> LoggedNumber | None:
+def _grad_norm(
+    window: CapturedWindow,
+    index: int,
+    measured: float,
+    update_ok: bool,
+    mistakes: Sequence[str],
+    accumulation: int,
+    tol: float,
+) -> LoggedNumber | None:
     # rank 0's, as the Trainer logs on the main process (the ranks' differ only when the
     # gradient was never synchronised, a mistake of its own)
     logged, measured = all_gather_objects((window.grad_norm, measured))[0]
     if logged is None or not measured > 0:
         return None
     own = "right" if update_ok else "as the update"
-    candidates = [(own, measured), ("x A", accumulation * measured), ("/ A", measured / accumulation)]
+    candidates = [
+        (own, measured),
+        ("x A", accumulation * measured),
+        ("/ A", measured / accumulation),
+    ]
     if accumulation == 1:
         candidates = candidates[:1]
     finding = _find(logged, candidates, tol)
-    return LoggedNumber("grad_norm", index, logged, measured, logged / measured, finding,
-                        _apart(finding, update_ok, mistakes))
+    return LoggedNumber(
+        "grad_norm",
+        index,
+        logged,
+        measured,
+        logged / measured,
+        finding,
+        _apart(finding, update_ok, mistakes),
+    )
 
 
-def logged_numbers(report: Any, windows: Sequence[CapturedWindow], trainer: Any) -> list[LoggedNumber]:
+def logged_numbers(
+    report: Any, windows: Sequence[CapturedWindow], trainer: Any
+) -> list[LoggedNumber]:
     """The logged ``loss`` and ``grad_norm`` of each audited window, judged (see the module
     docstring). ``report`` is the update's verdict (a checked
     :class:`~accumlab.hf.report.TrainerAuditReport`), ``windows`` the captured windows

@@ -84,7 +84,11 @@ def _chunks(a: Tensor | None, b: Tensor | None) -> Any:
     for s in range(0, n, CHUNK):
         e = min(n, s + CHUNK)
         ca = fa[s:e].double() if fa is not None else None
-        cb = fb[s:e].to(ca.device if ca is not None else fb.device).double() if fb is not None else None
+        cb = (
+            fb[s:e].to(ca.device if ca is not None else fb.device).double()
+            if fb is not None
+            else None
+        )
         yield ca, cb
 
 
@@ -249,12 +253,25 @@ def _plan(mb: Microbatch, intended: Intended, replay: bool, model: nn.Module) ->
         passes = [(_model_inputs(model, batch, kind), labelled)]
     else:
         passes = [(_model_inputs(model, r, kind), r) for r in stack_rows(rows)]
-    return _Plan(passes, mb.rng if replay else None, n, counted, jt,
-                 scored_after_padding(batch, shift), packed_rows(batch))
+    return _Plan(
+        passes,
+        mb.rng if replay else None,
+        n,
+        counted,
+        jt,
+        scored_after_padding(batch, shift),
+        packed_rows(batch),
+    )
 
 
-def _backward(model: nn.Module, plan: _Plan, objective: Objective, device: torch.device,
-              context: Callable[[], Any], weight: float) -> float:
+def _backward(
+    model: nn.Module,
+    plan: _Plan,
+    objective: Objective,
+    device: torch.device,
+    context: Callable[[], Any],
+    weight: float,
+) -> float:
     """Accumulate ``weight`` times the microbatch's reference loss-sum gradient in
     ``.grad``; returns the loss sum (nats)."""
     if plan.rng is not None:
@@ -295,8 +312,11 @@ def measure_window(
     rank, world = _world()
     replay = any(mb.random for mb in window.microbatches)
     plans = [_plan(mb, intended, replay, model) for mb in window.microbatches]
-    leaks = [attention_leak(model, mb.inputs, intended.kind, device) for mb, p in
-             zip(window.microbatches, plans, strict=True) if p.packed_rows]
+    leaks = [
+        attention_leak(model, mb.inputs, intended.kind, device)
+        for mb, p in zip(window.microbatches, plans, strict=True)
+        if p.packed_rows
+    ]
     local_n = [p.targets for p in plans]
     per_rank_n = all_gather_objects(local_n)
     per_rank_pre = all_gather_objects([p.counted for p in plans])
@@ -351,7 +371,9 @@ def measure_window(
         token = fits["token"]
         fits["microbatch"] = Fit([token.coefficients[0] * flat_n[0]], token.residual)
     elif g_norm > 0 and not error <= 1e-4:  # wrong (or rounded): name its weighting
-        fits["microbatch"] = _microbatch_fit(model, plans, objective, device, context, g, f, gg, g_dot_r)
+        fits["microbatch"] = _microbatch_fit(
+            model, plans, objective, device, context, g, f, gg, g_dot_r
+        )
     model.zero_grad(set_to_none=True)
     del s_local
 
@@ -385,9 +407,17 @@ def measure_window(
     )
 
 
-def _microbatch_fit(model: nn.Module, plans: list[_Plan], objective: Objective, device: torch.device,
-                    context: Callable[[], Any], g: Gradient, f: float, gg: float,
-                    g_dot_r: list[float]) -> Fit:
+def _microbatch_fit(
+    model: nn.Module,
+    plans: list[_Plan],
+    objective: Objective,
+    device: torch.device,
+    context: Callable[[], Any],
+    g: Gradient,
+    f: float,
+    gg: float,
+    g_dot_r: list[float],
+) -> Fit:
     """The per-microbatch-mean pattern ``Σ_i R_i / n_i`` (over every rank): a second
     backward pass per microbatch accumulates it in ``.grad``."""
     model.zero_grad(set_to_none=True)
@@ -468,10 +498,14 @@ def user_intended(objective: Objective) -> Intended:
     """An :class:`Intended` for an objective the caller passed: its kind when the audit
     knows it (a next-token loss is cut into rows like a causal LM), else ``user``."""
     if isinstance(objective, NextTokenLoss) and objective.ignore_index == IGNORE_INDEX:
-        return Intended(TokenLoss(shift=True), "causal", f"{objective!r}: token mean over shifted targets")
+        return Intended(
+            TokenLoss(shift=True), "causal", f"{objective!r}: token mean over shifted targets"
+        )
     if isinstance(objective, TokenLoss):
         return Intended(objective, "causal" if objective.shift else "token", f"{objective!r}")
-    return Intended(objective, "user", f"{objective!r}: sum of its loss over the window's examples / its count")
+    return Intended(
+        objective, "user", f"{objective!r}: sum of its loss over the window's examples / its count"
+    )
 
 
 __all__ = [

@@ -6,7 +6,8 @@ examples, ``m`` rows; a preference batch may stack several blocks of one row per
 list of ``m`` values (the texts a preference collator keeps) is cut like a row. Values
 that are not per-example (a count, a flag) are kept as they are. These differ from
 :mod:`accumlab.invariance.batches` (the engine's, for a loader's batches) where a
-Trainer's batches need it: the stacked blocks, the lists, the tokenizer's padding id. These functions never
+Trainer's batches need it: the stacked blocks, the lists, the tokenizer's padding id.
+These functions never
 pad on the left and never join packed rows (their attention kernels' keys describe the
 row as collated).
 """
@@ -84,8 +85,9 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and bool(a == b)
 
 
-def join_rows(batches: Sequence[Mapping[str, Any]], examples: Sequence[int], pad_id: int = 0,
-              pad: bool = True) -> dict[str, Any] | None:
+def join_rows(
+    batches: Sequence[Mapping[str, Any]], examples: Sequence[int], pad_id: int = 0, pad: bool = True
+) -> dict[str, Any] | None:
     """The microbatches as one (``examples[i]`` examples in ``batches[i]``): each block of
     a per-example tensor concatenated block by block, right-padded to the widest (see
     :func:`pad_value`; no padding at all when ``pad`` is False); None when they cannot be
@@ -117,22 +119,37 @@ def join_rows(batches: Sequence[Mapping[str, Any]], examples: Sequence[int], pad
         width = max(v.shape[1] for v in values) if value.dim() >= 2 else None
         if width is not None and not pad and any(v.shape[1] != width for v in values):
             return None
-        padded = [v if width is None or v.shape[1] == width else
-                  F.pad(v, (0, 0) * (v.dim() - 2) + (0, width - v.shape[1]), value=pad_value(key, pad_id))
-                  for v in values]
-        out[key] = torch.cat([v[j * n:(j + 1) * n] for j in range(k)
-                              for v, n in zip(padded, examples, strict=True)])
+        padded = [
+            v
+            if width is None or v.shape[1] == width
+            else F.pad(
+                v, (0, 0) * (v.dim() - 2) + (0, width - v.shape[1]), value=pad_value(key, pad_id)
+            )
+            for v in values
+        ]
+        out[key] = torch.cat(
+            [
+                v[j * n : (j + 1) * n]
+                for j in range(k)
+                for v, n in zip(padded, examples, strict=True)
+            ]
+        )
     return out
 
 
-def finer(batches: Sequence[Mapping[str, Any]], examples: Sequence[int]) -> tuple[int, list[dict[str, Any]]] | None:
+def finer(
+    batches: Sequence[Mapping[str, Any]], examples: Sequence[int]
+) -> tuple[int, list[dict[str, Any]]] | None:
     """The window split finer: ``(m/2, 2A)`` when every microbatch holds the same even
     ``m``, else ``(1, n)`` (each example alone); None when every microbatch holds one."""
     if all(n <= 1 for n in examples):
         return None
     size = examples[0] // 2 if len(set(examples)) == 1 and examples[0] % 2 == 0 else 1
-    return size, [slice_rows(b, s, s + size, n) for b, n in zip(batches, examples, strict=True)
-                  for s in range(0, n, size)]
+    return size, [
+        slice_rows(b, s, s + size, n)
+        for b, n in zip(batches, examples, strict=True)
+        for s in range(0, n, size)
+    ]
 
 
 __all__ = ["blocks", "finer", "join_rows", "left_padded", "pad_value", "rows_of", "slice_rows"]

@@ -48,7 +48,9 @@ def batch_samples(trainer: Any, iterator: Any, count: int, device: Any) -> tuple
     class, not the instance: a wrapper set on the instance (the audit's own count fix
     takes ``*device``) calls the class's method the way the release does."""
     params = inspect.signature(type(trainer).get_batch_samples).parameters  # with self
-    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional = [
+        p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     takes_device = "device" in [p.name for p in positional] or len(positional) >= 4
     if takes_device:
         return trainer.get_batch_samples(iterator, count, device)
@@ -75,8 +77,11 @@ def configured_as(trainer: Any, split: Replayed) -> Iterator[None]:
     """The Trainer's arguments as a job of ``split`` has them, put back on exit; for a
     generated split, ``_prepare_inputs`` hands back its microbatches one per call."""
     args = trainer.args
-    settings = {"per_device_train_batch_size": split.size or args.per_device_train_batch_size,
-                "gradient_accumulation_steps": split.accumulation_steps, **split.settings}
+    settings = {
+        "per_device_train_batch_size": split.size or args.per_device_train_batch_size,
+        "gradient_accumulation_steps": split.accumulation_steps,
+        **split.settings,
+    }
     saved = {k: getattr(args, k) for k in settings}
     had = "_prepare_inputs" in vars(trainer)
     own = vars(trainer).get("_prepare_inputs")
@@ -88,7 +93,10 @@ def configured_as(trainer: Any, split: Replayed) -> Iterator[None]:
             device = args.device
 
             def _prepare_inputs(_: Any, *a: Any, **k: Any) -> dict[str, Any]:
-                return {key: v.to(device) if isinstance(v, Tensor) else v for key, v in next(frozen).items()}
+                return {
+                    key: v.to(device) if isinstance(v, Tensor) else v
+                    for key, v in next(frozen).items()
+                }
 
             trainer._prepare_inputs = _prepare_inputs
         yield
@@ -102,8 +110,9 @@ def configured_as(trainer: Any, split: Replayed) -> Iterator[None]:
                 vars(trainer).pop("_prepare_inputs", None)
 
 
-def run_split(trainer: Any, model: Any, window: CapturedWindow, split: Replayed,
-              count: Any = None) -> tuple[list[Tensor | None], float | None]:
+def run_split(
+    trainer: Any, model: Any, window: CapturedWindow, split: Replayed, count: Any = None
+) -> tuple[list[Tensor | None], float | None]:
     """The job's gradient for ``split`` (the ``.grad`` tensors themselves, fresh ones) and
     the loss it would log for it (the sum of the steps' returns; None where one is not a
     number). ``count`` replaces the Trainer's ``num_items_in_batch``."""
@@ -114,8 +123,9 @@ def run_split(trainer: Any, model: Any, window: CapturedWindow, split: Replayed,
         if split.generated:
             samples, num_items = [[] for _ in split.batches], first.num_items_in_batch
         else:
-            samples, num_items = batch_samples(trainer, iter(split.batches), len(split.batches),
-                                               trainer.args.device)
+            samples, num_items = batch_samples(
+                trainer, iter(split.batches), len(split.batches), trainer.args.device
+            )
         if count is not None:
             on = num_items.device if isinstance(num_items, Tensor) else None
             num_items = torch.as_tensor(count, device=on) if on is not None else count

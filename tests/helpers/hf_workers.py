@@ -311,6 +311,7 @@ def version_cases(cases: tuple[str, ...] = VERSION_CASES) -> None:
     independent scale (one real update against the token mean of the 8 examples), whether
     the audit calls the fixed job ok and the fixed job's real update's relative error."""
     import copy
+    import functools
     import json
 
     import transformers
@@ -324,15 +325,11 @@ def version_cases(cases: tuple[str, ...] = VERSION_CASES) -> None:
         kind = "plain" if case == "correct_func" else case
         extra: dict[str, Any] = {"compute_loss_func": correct_loss_func} if case == "correct_func" else {}
         if case == "classes":  # one class per example; the printed fix counts the examples
-            def build() -> nn.Module:
-                return gpt2_classifier()
-
+            build = gpt2_classifier
             extra = {"data_collator": collate_classes, "train_dataset": examples()[:CLASSES]}
             ref = class_reference(build(), [collate_classes(examples()[:CLASSES])])
         else:
-            def build() -> nn.Module:
-                return model_for(kind)
-
+            build = functools.partial(model_for, kind)
             ref = reference_gradient(copy.deepcopy(build()), [collate(examples())])
         g, logged = applied_and_logged(build(), **extra)
         model = build()
