@@ -265,6 +265,7 @@ def test_a_loss_it_does_not_know_is_checked_by_split_invariance_or_not_checked(t
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # two gloo ranks, three runs each: about 30 s
 def test_two_gloo_ranks_agree_and_raise_together():
     """Under DDP (2 gloo ranks, each with its own examples) every rank gets the same
     verdict on its first update, a wrong job warns on both and ``"raise"`` stops both

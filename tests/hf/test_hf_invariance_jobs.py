@@ -58,7 +58,8 @@ def real_factor(build):
     return hj.compare(configured, whole)
 
 
-@pytest.mark.parametrize("name", list(VERDICTS))
+@pytest.mark.parametrize("name", [n if n.startswith("distill") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in VERDICTS])  # the TRL jobs in the slow tier
 def test_split_invariance_names_what_the_real_updates_show(name):
     report = ah.audit_trainer(JOBS[name](**hj.SGD))
     assert report.checked, str(report)
