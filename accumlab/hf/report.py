@@ -39,7 +39,7 @@ class TrainerAuditReport:
     set up. ``not_checked``: what the audit does not look at. ``logged``: the numbers the
     Trainer logs for each audited window (``loss``, ``grad_norm``), judged apart from the
     update (:mod:`accumlab.hf.logged`); ``logged_ok`` is False when one is wrong in a way
-    the update is not ("update ok; logged loss x A").
+    the update is not ("update ok; logged loss x A"), and only those are printed.
     """
 
     ok: bool
@@ -169,8 +169,9 @@ class TrainerAuditReport:
         for name in self.mistakes:
             lines += _wrap(f"  cause {name}: {CAUSES[name]}", "    ")
             lines += _wrap(f"    measured: {self.evidence[name]}", "      ")
-        for n in self.logged:
-            lines += _wrap(f"  {n.text(self.accumulation_steps)}", "    ")
+        for n in self.logged:  # a logging mistake of its own; the rest is in .logged
+            if n.apart:
+                lines += _wrap(f"  {n.text(self.accumulation_steps)}", "    ")
         if self.fix:
             lines.append(
                 "  fix (what to change; then run the audit again):"
