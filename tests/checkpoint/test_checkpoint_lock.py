@@ -28,7 +28,8 @@ import pytest
 from helpers import resume_workers as workers  # tests/helpers/resume_workers.py
 
 import accumlab as al
-from accumlab import checkpoint, cli
+from accumlab import checkpoint
+from accumlab_course import cli
 from accumlab.checkpoint import lock as lock_module
 
 LOCK = ".checkpoint-lock"
