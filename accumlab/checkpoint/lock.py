@@ -509,7 +509,7 @@ def lock_run_directory(directory: str | os.PathLike[str]) -> DirectoryLock | Non
 def check_still_held(lock: DirectoryLock | None, directory: str | os.PathLike[str]) -> None:
     """Before a checkpoint write: :class:`CheckpointDirectoryInUseError` on every rank when
     the lock rank 0 holds (``lock``; ``None`` on the other ranks) is no longer this run's,
-    because its file was deleted or replaced while the run lived (another run may have
+    because its file was deleted, replaced or overwritten while the run lived (another run may have
     taken the directory since); the message names the file."""
     lost = None
     if lock is not None and not lock.held():

@@ -580,8 +580,8 @@ def test_a_lock_path_that_is_no_regular_file_is_named_and_never_written_through(
     """A symlink at the lock's name is never followed (a link to a learner's file had the
     lock record written into it, then the link deleted), a dangling one is not "other
     processes keep creating and deleting it", a directory or a loop is not a bare "Is a
-    directory" or "Too many levels of symbolic links", and a FIFO does not block the run
-    forever reading it: one error naming the file, what it is and what to do."""
+    directory" or "Too many levels of symbolic links", and a FIFO not "Illegal seek" (or
+    a read that never returns): one error naming the file, what it is and what to do."""
     directory, what = _not_a_lock(tmp_path, kind)
     before = os.lstat(directory / LOCK)
     with pytest.raises(OSError) as info:

@@ -190,15 +190,6 @@ def test_a_fifo_put_at_the_record_path_during_training_is_left_alone(tmp_path, c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]  # no temp file left
 
 
-def test_record_fifo_from_the_command_line(tmp_path):
-    fifo = tmp_path / "pipe"
-    os.mkfifo(fifo)
-    result = commands.run(*TINY, "--record", str(fifo), "--force")
-    assert result.returncode == 1
-    assert "not a regular file" in one_line(result.stderr)
-    assert fifo.is_fifo()
-
-
 # --- the record and the checkpoints must not collide (checked before training) -------------
 
 
@@ -226,31 +217,25 @@ def test_a_record_beside_the_checkpoints_is_fine(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty"])
-def test_a_corrupt_newest_checkpoint_is_one_line(tmp_path, damage):
-    ckpt = tmp_path / "ckpt"
-    first = commands.run(*SMALL, "--updates", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1")
-    assert first.returncode == 0, first.stderr
-    newest = ckpt / "checkpoint-00000002-rank0.pt"
+def test_a_corrupt_newest_checkpoint_is_one_line(ckpt_run, capsys, damage):
+    newest = ckpt_run / "checkpoint-00000002-rank0.pt"
     data = newest.read_bytes()
     newest.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"")
-    result = commands.run(*SMALL, "--updates", "3", "--checkpoint-dir", str(ckpt), "--resume")
     # the library falls back to the previous checkpoint, and the command says so in one line
-    assert result.returncode == 0, result.stderr
-    line = one_line(result.stderr)
+    assert main([*SMALL, "--updates", "3", "--checkpoint-dir", str(ckpt_run), "--resume"]) == 0
+    captured = capsys.readouterr()
+    line = one_line(captured.err)
     assert line.startswith("accumlab: warning: ") and newest.name in line, line
-    assert "3 update attempts" in result.stdout
+    assert "| update_attempts | 3 |" in captured.out
 
 
-def test_every_checkpoint_damaged_from_the_command_line(tmp_path):
+def test_every_checkpoint_damaged_is_one_line_and_exit_1(ckpt_run, capsys):
     """The library raises one error naming every damaged file (no warning before it): one
     line, exit 1 (not a usage error)."""
-    ckpt = tmp_path / "ckpt"
-    assert commands.run(*SMALL, "--updates", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1").returncode == 0
     for name in ("checkpoint-00000001-rank0.pt", "checkpoint-00000002-rank0.pt"):
-        (ckpt / name).write_bytes(b"")
-    result = commands.run(*SMALL, "--updates", "3", "--checkpoint-dir", str(ckpt), "--resume")
-    assert result.returncode == 1
-    line = one_line(result.stderr)
+        (ckpt_run / name).write_bytes(b"")
+    assert main([*SMALL, "--updates", "3", "--checkpoint-dir", str(ckpt_run), "--resume"]) == 1
+    line = one_line(capsys.readouterr().err)
     assert line.startswith("accumlab: error: no intact checkpoint in ")
     assert "checkpoint-00000001" in line and "checkpoint-00000002" in line
 

@@ -1,5 +1,5 @@
 """The ``accumlab`` command in another process: a fresh interpreter, as a user's shell
-starts it (:func:`start`, :func:`run`), or a child forked from the tests' own process
+starts it (:func:`start`), or a child forked from the tests' own process
 (:func:`forked`), which starts in milliseconds instead of seconds (torch is imported
 already) and has limits of its own (``ulimit -f``).
 
@@ -32,13 +32,6 @@ def start(*args: str, ignore_ctrl_c: bool = False, stdout: Any = subprocess.PIPE
     return subprocess.Popen([sys.executable, "-m", "accumlab_course", *args], text=True, env=ENV,
                             stdout=stdout, stderr=subprocess.PIPE,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, handler))
-
-
-def run(*args: str, timeout: float = 120, prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m accumlab_course ARGS`` to its end (exit code, stdout and stderr as a user sees
-    them); ``prefix`` runs it as ``python PREFIX... ARGS`` instead (a wrapper script)."""
-    command = [sys.executable, *(prefix or ["-m", "accumlab_course"]), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
 def one_line(err: str) -> str:
