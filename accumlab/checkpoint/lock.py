@@ -433,6 +433,8 @@ class DirectoryLock:
             return f"was overwritten while the run lived (it now names {_describe(_read(self._fd))})"
         if not os.path.lexists(self.path):
             return "was deleted while the run lived"
+        if os.path.islink(self.path):
+            return f"was replaced by a symlink to {os.readlink(self.path)} while the run lived"
         try:
             fd = os.open(self.path, _OPEN)
         except OSError:
@@ -509,8 +511,8 @@ def lock_run_directory(directory: str | os.PathLike[str]) -> DirectoryLock | Non
 def check_still_held(lock: DirectoryLock | None, directory: str | os.PathLike[str]) -> None:
     """Before a checkpoint write: :class:`CheckpointDirectoryInUseError` on every rank when
     the lock rank 0 holds (``lock``; ``None`` on the other ranks) is no longer this run's,
-    because its file was deleted, replaced or overwritten while the run lived (another run may have
-    taken the directory since); the message names the file."""
+    because its file was deleted, replaced or overwritten while the run lived (another run
+    may have taken the directory since); the message names the file and what happened."""
     lost = None
     if lock is not None and not lock.held():
         lost = CheckpointDirectoryInUseError(

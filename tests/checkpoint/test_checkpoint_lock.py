@@ -668,3 +668,21 @@ def test_a_nul_byte_in_checkpoint_dir_names_the_argument_and_the_path() -> None:
         workers.train(run, workers.Config(), never(), checkpoint_dir="runs/a\0b")
     assert str(info.value) == ("checkpoint_dir 'runs/a\\x00b' holds a NUL byte (at position 6), "
                                "which no file system takes in a path; give a directory without one")
+
+
+def test_a_live_runs_lock_replaced_by_a_symlink_to_it_is_no_longer_its_own(tmp_path: Path) -> None:
+    """The lock file moved away and a symlink to it put at its name: the same file through
+    the link, but not at the name the run owns (another run would not see it there); the
+    run stops before its next write, naming the symlink, and leaves both alone."""
+    held = checkpoint.DirectoryLock(tmp_path).acquire()
+    (tmp_path / "elsewhere").mkdir()
+    moved = tmp_path / "elsewhere" / "lock"
+    os.rename(tmp_path / LOCK, moved)
+    (tmp_path / LOCK).symlink_to(moved)
+    try:
+        with pytest.raises(checkpoint.CheckpointDirectoryInUseError) as info:
+            lock_module.check_still_held(held, tmp_path)
+    finally:
+        held.release()
+    assert f"its lock file {tmp_path / LOCK} was replaced by a symlink to {moved} while the run lived" in str(info.value)
+    assert (tmp_path / LOCK).is_symlink() and json.loads(moved.read_text()) == held.record
