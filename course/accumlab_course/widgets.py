@@ -70,9 +70,9 @@ def scrolling(table_html: str) -> str:
     (a phone), never widening the page, with :data:`SCROLL_HINT` under it, so a reader
     knows that columns hidden at the right are there."""
     return (
-        "<div class='al-scroll' style='overflow-x:auto;max-width:100%'>"
+        '<div class="al-scroll" style="overflow-x:auto;max-width:100%">'
         f"{table_html}</div>"
-        f"<div class='al-scroll-hint' style='font-size:0.8em;opacity:0.7'>{html.escape(SCROLL_HINT)}</div>"
+        f'<div class="al-scroll-hint" style="font-size:0.8em;opacity:0.7">{html.escape(SCROLL_HINT)}</div>'
     )
 
 
@@ -101,27 +101,27 @@ def static_html(widget: Any, named: str = "") -> str:
         return "".join(parts)
 
     if isinstance(widget, widgets.HBox):
-        return (f"<div class='sw-hbox' style='display:flex;flex-wrap:wrap;gap:0.75rem;"
-                f"align-items:center'>{inner(widget)}</div>")
+        return (f'<div class="sw-hbox" style="display:flex;flex-wrap:wrap;gap:0.75rem;'
+                f'align-items:center">{inner(widget)}</div>')
     if isinstance(widget, widgets.Box):  # VBox and the plain Box: a column
-        return (f"<div class='sw-vbox' style='display:flex;flex-direction:column;"
-                f"gap:0.25rem'>{inner(widget)}</div>")
+        return (f'<div class="sw-vbox" style="display:flex;flex-direction:column;'
+                f'gap:0.25rem">{inner(widget)}</div>')
     if isinstance(widget, (widgets.IntSlider, widgets.FloatSlider)):
         description = html.escape(widget.description)
-        label = (f"<span class='sw-description' style='display:inline-block;"
-                 f"min-width:{widget.style.description_width or '0px'}'>{description}</span>"
+        label = (f'<span class="sw-description" style="display:inline-block;'
+                 f'min-width:{widget.style.description_width or "0px"}">{description}</span>'
                  if description else "")
         return (
-            f"<div class='sw-slider' style='display:flex;flex-wrap:wrap;align-items:center;"
-            f"gap:0.5rem'>{label}<input type='range' min='{widget.min}' max='{widget.max}' "
-            f"step='{widget.step}' value='{widget.value}' disabled "
-            f"aria-label='{description or html.escape(named) or 'slider'}'>"
-            f"<output class='sw-readout'>{html.escape(_readout(widget))}</output></div>"
+            f'<div class="sw-slider" style="display:flex;flex-wrap:wrap;align-items:center;'
+            f'gap:0.5rem">{label}<input type="range" min="{widget.min}" max="{widget.max}" '
+            f'step="{widget.step}" value="{widget.value}" disabled '
+            f'aria-label="{description or html.escape(named) or "slider"}">'
+            f'<output class="sw-readout">{html.escape(_readout(widget))}</output></div>'
         )
     if isinstance(widget, widgets.Label):
-        return f"<div class='sw-label'>{html.escape(widget.value)}</div>"
+        return f'<div class="sw-label">{html.escape(widget.value)}</div>'
     if isinstance(widget, widgets.HTML):
-        return f"<div class='sw-html'>{widget.value}</div>"
+        return f'<div class="sw-html">{widget.value}</div>'
     raise TypeError(f"static_html cannot draw a {type(widget).__name__}; add it here")
 
 
@@ -145,8 +145,8 @@ def _explorer_class() -> type:
             bundle = super()._repr_mimebundle_(**kwargs) or {}
             bundle["text/plain"] = f"{self.title}: {SAVED_NOTE}"
             bundle["text/html"] = (
-                "<div class='static-widget' role='group' aria-label='interactive widget, "
-                f"as saved'><p class='sw-note'><i>{html.escape(SAVED_NOTE)}</i></p>"
+                '<div class="static-widget" role="group" aria-label="interactive widget, '
+                f'as saved"><p class="sw-note"><i>{html.escape(SAVED_NOTE)}</i></p>'
                 f"{static_html(self)}</div>"
             )
             return bundle

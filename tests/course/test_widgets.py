@@ -140,7 +140,7 @@ def test_a_saved_calculator_is_a_drawing_at_its_settings() -> None:
     drawing, plain = bundle["text/html"], bundle["text/plain"]
     assert SAVED_NOTE in drawing and SAVED_NOTE in plain and "VBox" not in plain
     for slider, value in zip(widget.children[:5], (3, 5, 7, 1, 1), strict=True):
-        assert f"aria-label='{slider.description}'><output class='sw-readout'>{value}</output>" in drawing
+        assert f'aria-label="{slider.description}"><output class="sw-readout">{value}</output>' in drawing
     assert "<b>105</b>" in drawing  # the table at these settings: 3 × 5 × 7
     assert SCROLL_HINT in drawing and "overflow-x:auto" in drawing
     widget.children[0].value = 4  # the drawing follows the settings when displayed again

@@ -187,6 +187,6 @@ def test_a_saved_explorer_is_a_drawing_with_labelled_sliders():
     drawing = widget._repr_mimebundle_()["text/html"]
     assert SAVED_NOTE in drawing
     # each slider is named by the label above it, and shows its value
-    assert "aria-label='microbatch 1: targets'><output class='sw-readout'>1536</output>" in drawing
-    assert "aria-label='microbatch 0: mean loss (nats)'><output class='sw-readout'>2.00</output>" in drawing
+    assert 'aria-label="microbatch 1: targets"><output class="sw-readout">1536</output>' in drawing
+    assert 'aria-label="microbatch 0: mean loss (nats)"><output class="sw-readout">2.00</output>' in drawing
     assert "token mean <b>3.5000</b>" in drawing
