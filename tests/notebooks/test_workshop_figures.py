@@ -10,6 +10,7 @@ core exercises and predictions of each lesson.
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import sys
@@ -129,7 +130,7 @@ FIGURES = [
      "06_when_equivalence_ends", r"gap to A=1 after 512 examples: (\d\.\d\d) nats at the "
      r"same lr, (\d\.\d\d) at lr × 2"),
     ("06 divided twice", r"your own gives (\d\.\d\d) × the gradient", "06_when_equivalence_ends",
-     r"divided twice\) +\|gradient\| = (\d\.\d\d) × the right one"),
+     r"loss_sum / count, then / A +\|gradient\| = (\d\.\d\d) × the right one"),
     ("07 the audit's cost", r"a correct loop costs (\d+) forward passes over (\d+) rows",
      "07_capstone", r"The audit ran (\d+) forward passes over (\d+) rows"),
     ("07 the audit's controlled set", r"(\d+) windows, (\d+) microbatches, (\d+) examples, unequal",
@@ -137,10 +138,10 @@ FIGURES = [
     ("07 the real run's update attempts", r"`updates_predicted` = (\d+)", "07_capstone",
      r"\n(\d+) update attempts \(\d+ applied, 0 skipped\) from \d+ microbatches / \d+ backward "
      r"passes\n512 examples"),
-    ("07 double division", r"loss of (\d\.\d+) instead of (\d\.\d+) nats per target",
-     "07_capstone", r"logged loss (\d\.\d+) instead of (\d\.\d+) nats per target"),
+    ("07 double division", r"`divides_twice` logs (\d\.\d+) × the right loss",
+     "07_capstone", r"divides_twice +(\d\.\d+) "),
     ("07 clears inside, schedules per backward",
-     r"`clears_inside`'s update is (\d\.\d+) × as long, `schedules_per_backward` runs at lr (\d\.\d+)",
+     r"`clears_inside`'s update is (\d\.\d+) × as long \(a deep dive adds\s+`schedules_per_backward`,\s+which runs at lr (\d\.\d+)",
      "07_capstone",
      r"clears_inside +- +(\d\.\d+) [\s\S]*?schedules_per_backward +- +\d\.\d+ +\d+% +(\d\.\d+)"),
     ("08 the Trainer's factor", r"`factor_predicted` = (\d+)/(\d+)", "08_audit_your_job",
@@ -159,9 +160,18 @@ def _figures(match: re.Match) -> tuple[str, ...]:
 
 
 def _outputs(notebook: str) -> str:
+    """The printed text of the notebook's saved outputs, and the text of every folded
+    answer (a prediction's reveal, ``<details class="accumlab-answer">``: the kit quotes it)."""
     data = json.loads((REPO / "notebooks" / f"{notebook}.ipynb").read_text(encoding="utf-8"))
-    return "".join("".join(o.get("text", "")) for c in data["cells"] if c["cell_type"] == "code"
-                   for o in c.get("outputs", []))
+    parts = []
+    for cell in data["cells"]:
+        for o in cell.get("outputs", []) if cell["cell_type"] == "code" else []:
+            parts.append("".join(o.get("text", "")))
+            folded = "".join(o.get("data", {}).get("text/html", ""))
+            if "accumlab-answer" in folded:
+                body = folded.split("</summary>", 1)[1]
+                parts.append("\n" + html.unescape(re.sub(r"<[^>]+>", "", body)) + "\n")
+    return "".join(parts)
 
 
 @pytest.mark.parametrize(("what", "in_kit", "notebook", "in_outputs"), FIGURES,
