@@ -13,8 +13,9 @@ splits) names a factor of exactly ``1/A`` ``double_division``, a factor of ``A``
 sum of the microbatches' own gradients) ``sum_of_means``, ``1/A`` times that sum
 ``average_of_averages``, a short window scaled by its microbatches over the configured
 ``A`` ``short_window_divided_by_a``, and any other dependence ``depends_on_split``; against
-an intended objective, ``wrong_normalization`` or ``not_token_mean``. The Trainer audit
-calls ``sum_of_means`` by its cause there, ``num_items_ignored``.
+an intended objective, ``wrong_normalization`` or ``not_token_mean``. An adapter may give a name by its cause in
+its framework (``check_splits(..., rename=...)``: a Trainer's ``sum_of_means`` is its
+``num_items_ignored``).
 
 A leaf of the layers: it imports nothing from accumlab.
 """

@@ -24,7 +24,12 @@ from __future__ import annotations
 
 try:
     import transformers as _transformers
-except ImportError:
+except ImportError as _missing:
+    if _missing.name != "transformers":  # installed, but it fails to import: say why
+        raise ImportError(
+            f"accumlab.hf: transformers is installed but fails to import ({_missing}); "
+            "reinstall it with pip install 'accumlab[hf]'"
+        ) from _missing
     raise ImportError(
         "accumlab.hf needs Hugging Face transformers: pip install 'accumlab[hf]'"
     ) from None

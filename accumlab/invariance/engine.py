@@ -179,6 +179,11 @@ def _check(run: Run, configured: Split, plan: list[Split], objective: Run | None
             break
     if reference is None:
         raise NotChecked("no full split fitted in memory")
+    if held.compare(gradient).held_norm == 0.0:
+        raise NotChecked(
+            f"the gradient at {reference.label} is zero: nothing reached it (no backward pass, "
+            "every parameter frozen, or a framework that keeps the gradient elsewhere, such as "
+            "DeepSpeed's ZeRO partitions)")
     tol = tolerance if tolerance is not None else default_tolerance(gradient)
     report.tolerance = tol
     match = max(10 * tol, 1e-3)

@@ -126,6 +126,8 @@ def split_invariance(
     _check_objective(objective, forward)
     if tolerance is not None:
         tolerance = check_positive_number("tolerance", tolerance, dtype=torch.float64)
+    if type(model).__module__.startswith("deepspeed."):
+        return _deepspeed_refused(m, a)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model has no trainable parameter (requires_grad=True): nothing to check")
@@ -146,6 +148,16 @@ def split_invariance(
     report.ran += ("; the window code's gradient read from .grad after it returned"
                    + (f"; the objective: {objective!r}" if objective is not None else ""))
     return report
+
+
+def _deepspeed_refused(m: int, a: int) -> InvarianceReport:
+    return InvarianceReport(Split.uniform(m, a), 0.0, checked=False, reason=(
+        "a DeepSpeed engine owns the gradient: its backward steps the optimizer at the "
+        "window's last microbatch (accelerator.backward calls engine.step) and ZeRO keeps the "
+        "gradient in its own partitions, so there is none to read between backward and step; "
+        "check the same window code on the model before accelerator.prepare, without the "
+        "DeepSpeed plugin (DeepSpeed's own gradient_clipping, 1.0 unless its config says "
+        "otherwise, is then not checked)"))
 
 
 class _Runner:

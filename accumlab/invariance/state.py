@@ -8,8 +8,8 @@ module's training flag, the buffers' values (running statistics), and the random
 runs it restores the modes, buffers and random states and clears the gradients; on close
 it puts everything back. A run drew random numbers when a random state differs from the
 snapshot after it (dropout falls differently at each split), and wrote into the weights
-when a parameter's version counter moved (an optimizer step; ``p.data`` writes are not
-seen).
+when a parameter's version counter moved (an optimizer step) or its values' sum and sum of
+squares did (a write through ``p.data``, which no version counter sees).
 """
 
 from __future__ import annotations
@@ -67,6 +67,12 @@ class RandomState:
         return out
 
 
+def _fingerprint(p: Tensor) -> tuple[float, float]:
+    """The sum and the sum of squares of a parameter's values, in float64."""
+    x = p.detach().reshape(-1).double()
+    return float(x.sum()), float(x.dot(x))
+
+
 def _same_numpy(a: Any, b: Any) -> bool:
     import numpy as np
 
@@ -86,6 +92,7 @@ class ModelState:
         self.modes = [(m, m.training) for m in model.modules()]
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
         self.versions = [p._version for p in self.params]
+        self.fingerprints = [_fingerprint(p) for p in self.params]
         self.random = RandomState.now()
         self.runs_from = runs_from if runs_from is not None else self.random
         for p in self.params:
@@ -109,8 +116,9 @@ class ModelState:
         return self.runs_from.moved()
 
     def weights_written(self) -> list[int]:
-        """Indices of the parameters written in place since the snapshot."""
-        return [i for i, (p, v) in enumerate(zip(self.params, self.versions, strict=True)) if p._version != v]
+        """Indices of the parameters written since the snapshot."""
+        return [i for i, (p, v, f) in enumerate(zip(self.params, self.versions, self.fingerprints, strict=True))
+                if p._version != v or _fingerprint(p) != f]
 
     def close(self) -> None:
         """Everything as before the check: the original ``.grad`` objects too."""

@@ -182,3 +182,35 @@ def test_the_docs_example_runs_as_printed(capsys):
     assert code and printed, "the section has a python block and a text block"
     exec(compile(code.group(1), "docs/AUDIT.md", "exec"), {})
     assert capsys.readouterr().out == printed.group(1)
+
+
+def test_a_zero_gradient_a_hidden_weight_write_and_a_deepspeed_engine_are_not_checked(model, examples):
+    """What would give a false ok (nothing in .grad: every split equal) or a false verdict
+    (weights moved under the check) is refused in one line."""
+
+    def no_backward(model, microbatches, accumulation_steps):
+        for mb in microbatches:
+            model(**mb)
+
+    report = check(model, examples, no_backward)
+    assert not report.checked and report.reason.startswith("the gradient at (8, 1) is zero")
+
+    def steps_through_data(model, microbatches, accumulation_steps):
+        jobs.token_sum(model, microbatches, accumulation_steps)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data.sub_(p.grad)  # no version counter sees a write through .data
+
+    fresh = jobs.make_model()
+    report = check(fresh, examples, steps_through_data)
+    assert not report.checked and "wrote into" in report.reason
+
+    class DeepSpeedEngine(torch.nn.Module):  # the class accelerator.prepare returns, by module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    DeepSpeedEngine.__module__ = "deepspeed.runtime.engine"
+    report = check(DeepSpeedEngine(model), examples, jobs.token_sum)
+    assert not report.checked
+    assert report.reason.startswith("a DeepSpeed engine owns the gradient: its backward steps")

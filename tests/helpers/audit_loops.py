@@ -442,6 +442,20 @@ lightning_token_sum = lightning_automatic(
 lightning_token_sum.__name__ = "lightning_token_sum"
 
 
+def torchtitan_train_step(model, optimizer, scheduler, window):
+    """torchtitan's train step: the window's valid tokens counted (over all ranks) before
+    the forward passes, each microbatch's summed loss divided by them."""
+    optimizer.zero_grad()
+    global_valid_tokens = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in window)
+    for mb in window:
+        pred = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+        loss = shifted_sum(pred, mb["labels"]) / global_valid_tokens
+        del pred
+        loss.backward()
+    optimizer.step()
+    scheduler.step()
+
+
 def whole_window_in_a_closure(model, optimizer, scheduler, window):
     """The window's forward and backward passes inside the closure ``optimizer.step`` runs
     (as an LBFGS loop writes it)."""
@@ -1110,6 +1124,7 @@ EXPECTED: dict = {
     counts_after_the_shift_with_first_targets: OK,
     lightning_token_sum: OK,
     whole_window_in_a_closure: OK,
+    torchtitan_train_step: OK,
     # one mistake each
     double_division: bad("double_division"),
     hf_num_items_over_a: bad("double_division"),
