@@ -285,10 +285,18 @@ class SteppedGradients(torch.optim.SGD):
 COMPOSED_MICROBATCHES, COMPOSED_WINDOWS, COMPOSED_POISONED = (3, 2), 3, (1,)
 
 
-def composed_examples(world_size: int = 2) -> list[list[list[data.Example]]]:
+def composed_examples(
+    world_size: int = 2, microbatches: Sequence[int] = COMPOSED_MICROBATCHES
+) -> list[list[list[data.Example]]]:
     """The examples of each window on each rank in :func:`composed_run`: ``[rank][window]``,
-    from :func:`uneven_examples` (short answers on rank 0, long ones on rank 1)."""
-    per_window = [2 * COMPOSED_MICROBATCHES[r % 2] for r in range(world_size)]
+    ``microbatches[r]`` microbatches of 2 per window on rank ``r``, from
+    :func:`uneven_examples` (short answers on rank 0, long ones on rank 1)."""
+    if len(microbatches) != world_size or min(microbatches) < 1:
+        raise ValueError(
+            f"microbatches needs one count of at least 1 per rank ({world_size}), got "
+            f"{list(microbatches)}"
+        )
+    per_window = [2 * n for n in microbatches]
     pools = uneven_examples(world_size, [COMPOSED_WINDOWS * n for n in per_window])
     return [
         [pool[w * n : (w + 1) * n] for w in range(COMPOSED_WINDOWS)]
@@ -302,7 +310,9 @@ def lr_schedule(update: int) -> float:
     return 1.0 / (update + 1)
 
 
-def composed_run(max_norm: float = 1.0, lr: float = 0.1) -> dict[str, Any]:
+def composed_run(
+    max_norm: float = 1.0, lr: float = 0.1, microbatches: Sequence[int] = COMPOSED_MICROBATCHES
+) -> dict[str, Any]:
     """Train :data:`COMPOSED_WINDOWS` windows of :func:`composed_examples` with
     :func:`amp_ddp_window` (fp16 autocast, one ``GradScaler``, SGD with
     :func:`lr_schedule`, clipping to ``max_norm``) on a fresh DDP model, an inf injected
@@ -320,7 +330,7 @@ def composed_run(max_norm: float = 1.0, lr: float = 0.1) -> dict[str, Any]:
     scaler = torch.amp.GradScaler(local_device().type)
     objective = NextTokenLoss()
     windows = []
-    for w, examples in enumerate(composed_examples(world)[rank]):
+    for w, examples in enumerate(composed_examples(world, microbatches)[rank]):
         window = data.microbatches(examples, 2)
         poisoned = w in COMPOSED_POISONED and rank == 0
         syncs, steps, scale = counter.syncs, len(optimizer.seen), scaler.get_scale()
