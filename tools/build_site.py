@@ -15,8 +15,10 @@ to update. While copying:
   download of the notebook as committed, and its exercises;
 - every saved figure gets alt text: the cell's ``accumlab.alt`` metadata (what the figure
   shows, written with the notebook), else its title in the code, else the text above it;
-- a cell whose outputs the notebook saves collapsed (``jupyter.outputs_hidden``: the answer
-  to a prediction) shows them folded, opened on a click;
+- a prediction's answer is folded by the notebook itself (``exNN.<name>.reveal`` saves a
+  closed ``<details>``), and the page shows it as saved: closed, folded once; a cell whose
+  outputs the notebook saves collapsed (``jupyter.outputs_hidden``) shows them folded,
+  opened on a click;
 - under each exercise's checking cell, its hints and its solution, folded (<details>);
   exercises.md lists every exercise by lesson with what it practises;
 - the terms a lesson teaches (README.md's course table: code spans, OOM, DDP, ...) become
@@ -414,7 +416,9 @@ def add_figure_alts(nb: dict) -> int:
 def fold_collapsed_outputs(nb: dict) -> int:
     """Tag ``hide-output`` (myst-nb folds the output behind a click) on every code cell the
     notebook saves with its outputs collapsed (``metadata.jupyter.outputs_hidden``, what
-    JupyterLab shows as a bar to click: the reveal after a prediction); returns how many."""
+    JupyterLab shows as a bar to click); returns how many. A prediction's answer is not
+    one of them: it is saved folded (``Exercise.reveal``), in a cell saved unfolded
+    (tests/notebooks/test_predictions.py), so the page never folds it twice."""
     folded = 0
     for cell in nb["cells"]:
         metadata = cell.get("metadata", {})
@@ -477,9 +481,7 @@ def lesson_exercises(stem: str, nb: dict) -> list[dict]:
                 practises = re.sub(r"^(?:an? (?:number|int|float|choice|string|bool)\w*)\s*:\s*", "", comment.group(1).strip())
             else:
                 practises = re.sub(r"^[\d.]+\s*|^Exercise[^:]*:\s*", "", section)
-            predicted = "predictions" in exercise.checker.__module__ or re.search(
-                rf"\bpredict\w*\s*=\s*\.\.\.|\b{name}\s*=\s*\.\.\.", cell["source"]
-            )
+            predicted = exercise.kind == "prediction"
             found[name] = {
                 "name": name,
                 "path": f"ex{number}.{name}",
@@ -501,7 +503,8 @@ def exercise_box(exercise: dict) -> str:
     count = len(exercise["hints"])
     return (
         f'<div class="al-exercise" id="help-{exercise["path"].replace(".", "-")}">\n'
-        f'<details class="al-hints"><summary>{"Hint" if count == 1 else f"{count} hints"} for '
+        # no count in the summary: under a prediction, "2 hints" could read as its answer
+        f'<details class="al-hints"><summary>{"Hint" if count == 1 else "Hints"} for '
         f"<code>{path}</code> (open when stuck{'' if count == 1 else ', one at a time'})</summary>"
         f"<ol>{hints}</ol></details>\n"
         f'<details class="al-solution"><summary>Solution of <code>{path}</code> (try it first)</summary>'
