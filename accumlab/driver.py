@@ -22,7 +22,7 @@ from .ledger import Ledger
 from .loop import Forward, train_window
 from .objectives import Objective, check_batch, count_examples, count_window
 from .oom import train_window_shrinking
-from .parallel import data_parallel_group, is_distributed
+from .parallel import is_distributed
 from .plan import AccumulationPlan
 from .report import UpdateReport
 from .settings import TrainSettings
@@ -84,16 +84,19 @@ def train(
       checkpoint holds, what a resume compares, the lock).
     """
     settings = TrainSettings.of_call(locals())  # the 16 keyword arguments, each checked
-    scaler = settings.check_objects(model, batches, optimizer, plan, objective)
-    check_plan(plan, model)  # the same plan on every rank, and plan.data_parallel_size is D
+    setup = settings.check_objects(model, batches, optimizer, plan, objective)  # once a run
+    check_plan(plan, setup.replicas)  # the same plan on every rank, and D is plan's
+    # The run's GradScaler, which checkpoints save and the ledger records: the one given
+    # (a disabled one too, which the windows run without), or the one made for fp16.
+    scaler = setup.scaler if settings.scaler is None else settings.scaler
     model.train()  # dropout on: a model left in eval() would otherwise train without it
-    options = settings.window_options(scaler)  # train_window's keywords, alike in every window
+    options = settings.window_options()  # train_window's keywords, alike in every window
+    group = setup.replicas.group  # every collective of the run is on the replicas' group
+    windows = aligned_windows(plan, batches, objective, group)  # the same on every rank, lazily
     # The checkpoint directory stays this run's (its lock) until train returns or raises.
     with Checkpointer(settings, model, optimizer, scaler, plan, batches) as ckpt:
         ledger = ckpt.ledger  # restored from the checkpoint when resuming
         ledger.note_settings(settings, optimizer, scaler, objective)
-        group = data_parallel_group(model)
-        windows = aligned_windows(plan, batches, objective, group)  # the same on every rank
         with _progress(batches, plan, settings, ledger.update_attempts) as bar:
             for window in ckpt.windows(windows):  # after those already trained, to max_updates
                 _note_read(window, plan, objective, ledger, group)
@@ -102,11 +105,12 @@ def train(
                     continue
                 if settings.on_oom == "shrink":  # out of memory: halve the microbatches, retry
                     report = train_window_shrinking(
-                        model, microbatches, optimizer, objective, ledger, **options
+                        model, microbatches, optimizer, objective, ledger, setup=setup, **options
                     )
                 else:
                     report = train_window(
-                        model, microbatches, optimizer, objective, index=index, **options
+                        model, microbatches, optimizer, objective, index=index, setup=setup,
+                        **options,
                     )
                     report.padding_microbatches = window.padding
                 ledger.record(report)

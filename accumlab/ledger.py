@@ -69,7 +69,7 @@ class Ledger:
     def record(self, report: UpdateReport) -> None:
         """Add one window's report to the totals."""
         self.reports.append(report)
-        self.microbatches += report.microbatches
+        self.microbatches += report.backward_passes  # one forward pass each
         self.backward_passes += report.backward_passes
         self.update_attempts += 1
         self.updates_applied += int(report.applied)

@@ -11,6 +11,7 @@ microbatch more than one in a long one (notebook 02).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -252,6 +253,24 @@ class ExampleLoss:
 
 
 def count_window(objective: Objective, window: Any) -> list[int]:
-    """Per-microbatch unit counts of a window, computed on CPU before any forward pass."""
-    return [objective.count(check_batch(mb, f"microbatch {i}")) for i, mb in enumerate(window)]
+    """Per-microbatch unit counts of a window, computed on CPU before any forward pass.
+
+    Each is a whole number of at least 0: ``TypeError`` for a count that is not an
+    integer (a bool, a float, a tensor: ``int(...)`` it), ``ValueError`` for a negative
+    one, each naming the objective, the microbatch (its place in the window) and the
+    count."""
+    counts = []
+    for i, microbatch in enumerate(window):
+        n = objective.count(check_batch(microbatch, f"microbatch {i}"))
+        where = f"objective {objective!r}: count() of microbatch {i} of the window is {n!r}"
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"{where}, a {type(n).__name__}; count(batch) must return an int")
+        if n < 0:
+            unit = getattr(objective, "unit", "unit")
+            raise ValueError(
+                f"{where}; a count is the number of {unit}s the microbatch holds, 0 or more: "
+                "fix the objective's count(batch)"
+            )
+        counts.append(int(n))
+    return counts
 

@@ -22,13 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from .distributed.alignment import is_padding
 from .ledger import Ledger
-from .loop import PartialUpdateError, model_device, train_window
+from .loop import PartialUpdateError, WindowSetup, train_window
 from .objectives import Objective, rows, take_rows
-from .parallel import replicas_of, unwrap
+from .parallel import Replicas
 from .report import UpdateReport
 
 
@@ -66,11 +65,13 @@ def train_window_shrinking(
     objective: Objective,
     ledger: Ledger,
     *,
+    setup: WindowSetup,
     meter: Any = None,
     **options: Any,
 ) -> UpdateReport:
-    """``train_window`` under ``on_oom="shrink"``: the window's report. ``options`` are
-    ``train_window``'s other keyword arguments; the window's index is
+    """``train_window`` under ``on_oom="shrink"``: the window's report. ``setup`` is the
+    run's (``loop.window_setup``), ``options`` are ``train_window``'s other keyword
+    arguments (``scheduler``, ``forward``); the window's index is
     ``ledger.update_attempts``.
 
     The window's microbatches are first cut in half once for every shrink in
@@ -86,12 +87,12 @@ def train_window_shrinking(
     help either), or where the replicas cannot meet to agree (``OOMGuard.can_agree``:
     inside DDP's gradient-synchronizing backward pass, or under FSDP2).
     """
-    keep_empty = replicas_of(model) > 1
+    keep_empty = setup.replicas.size > 1
     pieces = list(window)
     for _ in ledger.shrinks:
         pieces = [half for mb in pieces for half in _halve(mb, keep_empty)]
     while True:
-        guard = OOMGuard(meter, model, len(pieces))
+        guard = OOMGuard(meter, setup.replicas, len(pieces))
         biggest = max(rows(p) for p in pieces)
         problem = "this replica ran out of memory"
         try:
@@ -102,6 +103,7 @@ def train_window_shrinking(
                 objective,
                 meter=guard,
                 index=ledger.update_attempts,
+                setup=setup,
                 **options,
             )
         except PeerOutOfMemory as peer:
@@ -144,7 +146,7 @@ def train_window_shrinking(
             fatal = True
             problem = "another data-parallel replica ran out of memory after its backward passes"
         del guard  # drop the failed attempt's references before collecting
-        _release_attempt(model, optimizer)
+        _release_attempt()
         if fatal:
             raise CannotShrinkError(
                 f"window {ledger.update_attempts}: {problem}, and shrinking cannot help there "
@@ -161,10 +163,9 @@ def train_window_shrinking(
         )
 
 
-def _release_attempt(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Free what a failed attempt held: partial gradients, unreachable graphs, cached blocks."""
-    optimizer.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)  # parameters the optimizer does not hold
+def _release_attempt() -> None:
+    """Free what a failed attempt held: unreachable graphs and the allocator's cached blocks
+    (``train_window`` cleared every gradient on its way out)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -177,34 +178,33 @@ class OOMGuard:
     cannot be fixed by a smaller microbatch), and under DDP (``D > 1``) it makes the
     replicas agree before every point where they would otherwise part ways: the last
     microbatch's backward pass (DDP all-reduces gradients there), the last forward pass,
-    and every forward pass when DDP broadcasts buffers at each forward. A replica that ran
-    out of memory calls :meth:`agree` with ``oom=True`` instead of reaching its next
-    agreement point; the others meet it there, see the flag and stop with
+    and every forward pass when DDP may broadcast the module's buffers there
+    (``Replicas.forward_collective``: ``broadcast_buffers`` and some buffers). A replica
+    that ran out of memory calls :meth:`agree` with ``oom=True`` instead of reaching its
+    next agreement point; the others meet it there, see the flag and stop with
     ``PeerOutOfMemory``. Every replica then retries the window with the same plan, and no
     rank waits on a collective the others skipped.
 
-    Cost: two or ``A + 1`` small all-reduces per window (none when ``D == 1``). Limits, where
+    Every agreement runs on the replicas' group (``parallel.Replicas``: the model's
+    data-parallel group, as every collective of the loop). Cost: two or ``A + 1`` small
+    all-reduces per window (none when ``D == 1``). Limits, where
     :meth:`can_agree` is False and ``train`` raises instead: an error inside the last,
     gradient-synchronizing backward pass (the peers' all-reduce is already under way), and
     any error under FSDP2, whose forward and backward passes gather and scatter the
     parameters as they go.
     """
 
-    def __init__(self, inner: Any, model: nn.Module, microbatches: int) -> None:
+    def __init__(self, inner: Any, replicas: Replicas, microbatches: int) -> None:
         self.inner = inner
-        self.replicas = replicas_of(model)
-        model = unwrap(model)  # torch.compile(ddp_model) is a DDP model too
-        self.ddp = isinstance(model, DistributedDataParallel)
-        self.group = getattr(model, "process_group", None) if self.ddp else None
-        broadcasts = getattr(model, "will_sync_module_buffers", None)
-        self.every_forward = self.ddp and bool(broadcasts() if callable(broadcasts) else True)
-        self.device = model_device(model)
+        self.replicas = replicas
+        self.ddp = replicas.wrapper == "ddp"
+        self.every_forward = self.ddp and replicas.forward_collective  # buffer broadcasts
         self.last = microbatches - 1
         self.where: tuple[str, int | None] | None = None
         self.completed: set[tuple[str, int | None]] = set()
 
     def _agrees_at(self, name: str, microbatch: int | None) -> bool:
-        if not self.ddp or self.replicas == 1 or name not in ("forward", "backward"):
+        if not self.ddp or self.replicas.size == 1 or name not in ("forward", "backward"):
             return False
         return microbatch == self.last or (name == "forward" and self.every_forward)
 
@@ -224,17 +224,18 @@ class OOMGuard:
     def agree(self, oom: bool, fatal: bool) -> tuple[bool, bool]:
         """``(any replica ran out of memory, any replica cannot be helped by shrinking)``;
         one all-reduce (MAX) when ``D > 1``, the local flags otherwise."""
-        if self.replicas == 1:
+        replicas = self.replicas
+        if replicas.size == 1:
             return oom, fatal
-        flags = torch.tensor([int(oom), int(fatal)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        flags = torch.tensor([int(oom), int(fatal)], dtype=torch.int64, device=replicas.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=replicas.group)
         return bool(flags[0].item()), bool(flags[1].item())
 
     def can_agree(self) -> bool:
         """False when the replicas cannot meet at an agreement point after this error:
         under FSDP2, or inside the last (gradient-synchronizing) backward pass of a DDP
         window, whose all-reduce is already in flight on the other replicas."""
-        if self.replicas == 1:
+        if self.replicas.size == 1:
             return True
         if not self.ddp:
             return False

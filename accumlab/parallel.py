@@ -1,18 +1,20 @@
-"""The data-parallel helper of the core: D, the global count, one sync per window.
+"""The data-parallel helper of the core: the replicas, their collectives, one sync per window.
 
 DDP averages gradients over its ``D`` replicas, and FSDP2 (``fully_shard``) averages in
 its reduce-scatter the same way: the ``× D`` of the loop's rule (``accumlab.loop``)
 cancels that average, so the update is the gradient of all replicas' losses over all
-replicas' units. Every collective here
-runs on the model's data-parallel group, never on ranks that share the same data
-(tensor- or pipeline-parallel peers). Without a process group every function is a no-op.
+replicas' units. :class:`Replicas` holds what a run needs of them (the wrapper, the
+group, ``D``, the device), found once. Every collective here runs on the model's
+data-parallel group, never on ranks that share the same data (tensor- or
+pipeline-parallel peers). Without a process group every function is a no-op.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -20,16 +22,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
-    "any_rank",
-    "check_replicas",
+    "Replicas",
     "data_parallel_group",
     "global_count",
     "gradient_sync",
     "is_distributed",
     "local_device",
-    "replicas_of",
+    "model_device",
     "unwrap",
 ]
+
 
 def is_distributed() -> bool:
     """True inside an initialised process group with more than one rank."""
@@ -84,27 +86,11 @@ def data_parallel_group(model: nn.Module) -> Any:
     return None
 
 
-def replicas_of(model: nn.Module) -> int:
-    """``D``: the size of the model's data-parallel group; 1 for a model that is not DDP-
-    or FSDP2-wrapped (under ``torch.compile`` or not)."""
-    group = data_parallel_group(model)
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def check_replicas(model: nn.Module) -> int:
-    """``D`` for ``model``; ``ValueError`` when a process group of several ranks is active
-    but the model is not wrapped (each rank would update its own copy from its own data
-    and the copies would drift apart)."""
-    replicas = replicas_of(model)
-    if replicas == 1 and is_distributed():
-        raise ValueError(
-            f"the model is not wrapped in DistributedDataParallel or fully_shard, but a "
-            f"process group of {dist.get_world_size()} ranks is active: each rank would "
-            "update its own copy from its own data and the copies would drift apart. Wrap "
-            "it (DistributedDataParallel(model) or fully_shard(model)), or run "
-            "single-process code outside the process group"
-        )
-    return replicas
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (CPU for a parameterless model)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
 
 
 def global_count(local: int, replicas: int, device: torch.device, group: Any = None) -> int:
@@ -117,14 +103,65 @@ def global_count(local: int, replicas: int, device: torch.device, group: Any = N
     return int(total.item())
 
 
-def any_rank(flag: bool, group: Any) -> bool:
-    """True when ``flag`` is True on any rank of ``group`` (one all-reduce); ``flag``
-    itself for ``group=None`` or without a process group. Every rank must call it."""
-    if group is None or not is_distributed():
-        return flag
-    value = torch.tensor([int(flag)], dtype=torch.int64, device=local_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
+Wrapper = Literal["plain", "ddp", "fsdp2"]
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """The model's data-parallel replicas, found once (:meth:`of`) and read by every window.
+
+    ``wrapper``: ``"ddp"`` (``DistributedDataParallel``), ``"fsdp2"`` (``fully_shard``) or
+    ``"plain"``; ``group``: the process group of the replicas (:func:`data_parallel_group`,
+    ``None`` for a plain model); ``size``: ``D``, the number of replicas (1 for a plain
+    model); ``device``: this replica's device (:func:`model_device`), where its windows'
+    tensors go and its collectives' tensors live; ``forward_collective``: whether a
+    forward pass runs a collective too (FSDP2 gathers the parameters; DDP broadcasts the
+    module's buffers, when ``broadcast_buffers`` and it has some). :meth:`total` and
+    :meth:`any` are the loop's collectives of a window, both on ``group``.
+    """
+
+    wrapper: Wrapper
+    group: Any
+    size: int
+    device: torch.device
+    forward_collective: bool = False
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Replicas:
+        """The replicas of ``model`` (under ``torch.compile`` or not); ``ValueError`` when a
+        process group of several ranks is active but the model is not wrapped (each rank
+        would update its own copy from its own data and the copies would drift apart)."""
+        inner = unwrap(model)
+        group = data_parallel_group(inner)
+        size = 1 if group is None else dist.get_world_size(group)
+        if size == 1 and is_distributed():
+            raise ValueError(
+                f"the model is not wrapped in DistributedDataParallel or fully_shard, but a "
+                f"process group of {dist.get_world_size()} ranks is active: each rank would "
+                "update its own copy from its own data and the copies would drift apart. Wrap "
+                "it (DistributedDataParallel(model) or fully_shard(model)), or run "
+                "single-process code outside the process group"
+            )
+        if isinstance(inner, DistributedDataParallel):
+            buffers = inner.broadcast_buffers and len(inner.modules_buffers) > 0
+            return cls("ddp", group, size, model_device(model), forward_collective=buffers)
+        if _is_fsdp2(inner):
+            return cls("fsdp2", group, size, model_device(model), forward_collective=True)
+        return cls("plain", None, 1, model_device(model))
+
+    def total(self, count: int) -> int:
+        """``count`` summed over the replicas (:func:`global_count`: one all-reduce on
+        ``group``, none when ``D`` is 1). Every replica must call it."""
+        return global_count(count, self.size, self.device, self.group)
+
+    def any(self, flag: bool) -> bool:
+        """True when ``flag`` is True on any replica: one all-reduce (MAX) on ``group``,
+        none (``flag`` itself) when ``D`` is 1. Every replica must call it."""
+        if self.size == 1:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item())
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from .validate import check_choice, check_instance
+from .validate import check_choice, check_instance, outside_stacklevel
 
 Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
@@ -131,7 +131,7 @@ def resolve_scaler(
                 "handled by nonfinite= instead of the scaler; pass an enabled "
                 f"torch.amp.GradScaler({policy.device_type!r}) or use precision='bf16'",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=outside_stacklevel(),
             )
         return None
     return scaler
@@ -207,7 +207,7 @@ def update_parameters(
             "the clipping and the finite check. Freeze them (requires_grad_(False)) or add "
             "them to the optimizer",
             UserWarning,
-            stacklevel=3,
+            stacklevel=outside_stacklevel(),
         )
     return stepped, [p for _, p in orphans]
 
@@ -240,17 +240,3 @@ def total_grad_norm(parameters: Iterable[Tensor]) -> tuple[Tensor, float]:
     ]
     norm = torch.linalg.vector_norm(torch.stack(parts))
     return norm, float(norm)
-
-
-def mark_skipped(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
-    """Make ``scaler.update()`` back off as after an inf, when the skip was decided elsewhere.
-
-    ``scaler.unscale_`` records inf/nan only in this rank's gradients. Under FSDP2 another
-    rank's shard can hold the nan: every rank skips the step, and each must also back off
-    its scale, or the ranks' scales part. Call after ``unscale_`` and before ``update``.
-    """
-    # GradScaler keeps its per-optimizer inf flags in a private dict; its update() reads
-    # them, and torch's own sharded scaler all-reduces the same entries.
-    state = scaler._per_optimizer_states.get(id(optimizer), {})
-    for found_inf in state.get("found_inf_per_device", {}).values():
-        found_inf.fill_(1.0)

@@ -14,6 +14,7 @@ from .distributed.totals import rank_totals
 from .ledger import Ledger
 from .plan import AccumulationPlan
 from .precision import check_precision, scaler_settings
+from .report import NO_TARGETS, NONFINITE_GRADIENT, UNUSABLE_HYPERPARAMETER
 from .validate import check_choice, check_instance
 
 #: The rule of ``accumlab.loop`` as a record states it, for each unit an objective counts.
@@ -88,9 +89,11 @@ class RunRecord:
     ``to_markdown()`` render it and ``RunRecord.from_json(text)`` reads it back. ``extra``
     holds fields later chapters add (memory peaks, per-rank totals) without changing the
     core. ``scaler`` holds the GradScaler's settings and final scale (``None`` without
-    one); ``skipped_nonfinite`` and ``skipped_no_targets`` split ``updates_skipped`` by
-    reason. From what ``train`` noted in the ledger: ``clip_grad_norm`` (``None``: no
-    clipping), ``optimizer`` (its class name), ``lr_first``/``lr_last`` (the learning rate
+    one); ``skipped_nonfinite`` (a non-finite gradient), ``skipped_no_targets`` and
+    ``skipped_hyperparameters`` (a hyper-parameter the update could not use, such as a
+    learning rate a scheduler turned ``nan``) split ``updates_skipped`` by reason. From
+    what ``train`` noted in the ledger: ``clip_grad_norm`` (``None``: no clipping),
+    ``optimizer`` (its class name), ``lr_first``/``lr_last`` (the learning rate
     of the first and last applied update), ``grad_norm_first``/``grad_norm_last``/
     ``grad_norm_largest`` (the L2 norm of the combined, unscaled gradient before clipping
     of the first, last and largest applied update) and ``largest_microbatch`` (examples).
@@ -128,11 +131,13 @@ class RunRecord:
     first_loss: float | None
     last_loss: float | None
     extra: dict[str, Any] = field(default_factory=dict)
-    # Precision details: the GradScaler's settings (scaler_settings) and why
-    # attempts were skipped; updates_skipped = skipped_nonfinite + skipped_no_targets.
+    # Precision details: the GradScaler's settings (scaler_settings) and why attempts
+    # were skipped: updates_skipped = skipped_nonfinite + skipped_no_targets
+    # + skipped_hyperparameters.
     scaler: dict[str, Any] | None = None
     skipped_nonfinite: int = 0
     skipped_no_targets: int = 0
+    skipped_hyperparameters: int = 0
     clip_grad_norm: float | None = None
     optimizer: str | None = None
     lr_first: float | None = None
@@ -205,6 +210,7 @@ class RunRecord:
             extra = {"memory": memory, **(extra or {})}
         losses = ledger.losses
         applied = [r for r in ledger.reports if r.applied]
+        skipped = [r for r in ledger.reports if not r.applied]
         shrunk = _shrinks_of(plan, shrinks)
         ran = shrunk[-1] if shrunk else None
         return cls(
@@ -230,10 +236,11 @@ class RunRecord:
             last_loss=_finite_or_none(losses[-1]) if losses else None,
             extra=dict(extra or {}),
             scaler=settings,
-            skipped_nonfinite=sum(
-                r.skipped_reason == "non-finite gradient" for r in ledger.reports
+            skipped_nonfinite=sum(r.skipped_reason == NONFINITE_GRADIENT for r in skipped),
+            skipped_no_targets=sum(r.skipped_reason == NO_TARGETS for r in skipped),
+            skipped_hyperparameters=sum(
+                (r.skipped_reason or "").startswith(UNUSABLE_HYPERPARAMETER) for r in skipped
             ),
-            skipped_no_targets=sum(r.skipped_reason == "no targets" for r in ledger.reports),
             clip_grad_norm=used.get("clip_grad_norm"),
             optimizer=used.get("optimizer"),
             lr_first=applied[0].lr if applied else None,

@@ -1,13 +1,15 @@
 """What ``train`` is asked to do: :class:`TrainSettings`, its keyword arguments in one
 frozen dataclass, each checked once when it is built, and
 :meth:`TrainSettings.check_objects`, the five objects it trains with checked against each
-other and against the settings.
+other and against the settings, which returns what every window of the run shares (the
+run's ``loop.WindowSetup``).
 
 Each check is a helper of :mod:`accumlab.validate`; the modes of one window are named in
 :mod:`accumlab.loop`, the precisions in :mod:`accumlab.precision`. The ``Checkpointer``
 (:mod:`accumlab.checkpoint`) and the ``Ledger`` read what they need from the settings. The
-plan is checked against the other ranks by ``distributed.alignment.check_plan``, a
-collective, which ``train`` calls after these local checks.
+plan is checked against the setup's replicas and the other ranks by
+``distributed.alignment.check_plan``, a collective, which ``train`` calls after these
+local checks.
 """
 
 from __future__ import annotations
@@ -21,16 +23,25 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .loop import NONFINITE, SCHEDULER_PER, SYNC, Forward, check_clip_grad_norm, model_device
+from .loop import (
+    NONFINITE,
+    SCHEDULER_FIX,
+    SCHEDULER_PER,
+    SYNC,
+    Forward,
+    WindowSetup,
+    check_clip_grad_norm,
+    window_setup,
+)
 from .objectives import Objective
 from .plan import AccumulationPlan
-from .precision import check_precision, precision_policy, resolve_scaler, update_parameters
+from .precision import check_precision
 from .report import UpdateReport
 from .validate import (
     check_bool,
     check_callable_or_none,
     check_choice,
-    check_finite_hyperparameters,
+    check_hyperparameters,
     check_instance,
     check_methods,
     check_positive_int,
@@ -77,6 +88,7 @@ class TrainSettings:
             ("step()",),
             example="a torch.optim.lr_scheduler scheduler",
             none_ok=True,
+            fix=SCHEDULER_FIX,
         )
         clip = check_clip_grad_norm(self.clip_grad_norm)
         object.__setattr__(self, "clip_grad_norm", clip)  # frozen: set once, as a float
@@ -138,11 +150,14 @@ class TrainSettings:
         optimizer: torch.optim.Optimizer,
         plan: AccumulationPlan,
         objective: Objective,
-    ) -> torch.amp.GradScaler | None:
+    ) -> WindowSetup:
         """Check ``train``'s five objects, against each other and these settings, before
-        any data is read; return the run's GradScaler: the one given, or under fp16 a new
-        ``torch.amp.GradScaler`` for the model's device that serves the whole run (so the
-        scale and its growth count carry across windows)."""
+        any data is read, and return what every window of the run shares
+        (``loop.window_setup``): the model's replicas, the precision policy, the
+        parameters an update steps, these settings' modes, and the scaler the windows
+        use: the one given, or under fp16 a new ``torch.amp.GradScaler`` for the model's
+        device that serves the whole run (so the scale and its growth count carry across
+        windows)."""
         check_instance("model", model, nn.Module, "a torch.nn.Module")
         if isinstance(batches, Mapping) or not isinstance(batches, Iterable):
             raise TypeError(
@@ -150,7 +165,7 @@ class TrainSettings:
                 f"generator), got {type(batches).__name__}; to train on one batch, pass [batch]"
             )
         check_instance("optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
-        check_finite_hyperparameters(optimizer)
+        check_hyperparameters(optimizer)
         check_instance("plan", plan, AccumulationPlan, "an AccumulationPlan")
         check_methods(
             "objective",
@@ -158,24 +173,21 @@ class TrainSettings:
             ("count(batch)", "loss_sum(output, batch)"),
             example="accumlab.NextTokenLoss() or accumlab.ExampleLoss()",
         )
-        update_parameters(model, optimizer)  # the optimizer must hold some trainable parameter
-        policy = precision_policy(self.precision, model_device(model))
         # A given scaler of the wrong type or device raises; a disabled one under fp16
-        # warns, and stays the run's scaler (the record says it was disabled).
-        made = resolve_scaler(policy, self.scaler)
-        return made if self.scaler is None else self.scaler
+        # warns, and the windows run without it.
+        return window_setup(
+            model,
+            optimizer,
+            precision=self.precision,
+            scaler=self.scaler,
+            clip_grad_norm=self.clip_grad_norm,
+            nonfinite=self.nonfinite,
+            scheduler_per=self.scheduler_per,
+            sync=self.sync,
+        )
 
-    def window_options(self, scaler: torch.amp.GradScaler | None) -> dict[str, Any]:
-        """The keyword arguments of ``train_window`` these settings give, with the run's
-        ``scaler``: all but ``index``, which counts the windows."""
-        return {
-            "scaler": scaler,
-            "meter": self.meter,
-            "clip_grad_norm": self.clip_grad_norm,
-            "scheduler": self.scheduler,
-            "precision": self.precision,
-            "forward": self.forward,
-            "nonfinite": self.nonfinite,
-            "scheduler_per": self.scheduler_per,
-            "sync": self.sync,
-        }
+    def window_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``train_window`` these settings give that the run's
+        ``WindowSetup`` does not hold (``check_objects`` returns it): the same in every
+        window (``index`` counts the windows)."""
+        return {"scheduler": self.scheduler, "meter": self.meter, "forward": self.forward}

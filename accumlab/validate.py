@@ -10,10 +10,13 @@ the core uses it.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
-from collections.abc import Collection, Mapping, Sequence
-from typing import TypeVar, overload
+import os
+import sys
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -140,10 +143,14 @@ def check_methods(
     *,
     example: str,
     none_ok: bool = False,
+    fix: str = "",
 ) -> T:
-    """``value`` if it has every one of ``methods`` (written as calls: ``"step()"``,
-    ``"count(batch)"``) as a callable attribute, or is ``None`` with ``none_ok``.
-    ``example`` names an object that has them."""
+    """``value`` if it has every one of ``methods`` as a callable attribute that can be
+    called as written (``"step()"``: with no argument; ``"count(batch)"``: with one), or is
+    ``None`` with ``none_ok``. ``example`` names an object that has them; ``fix`` says
+    what to do with an object whose method needs other arguments (``ReduceLROnPlateau``'s
+    ``step(metrics)`` for ``"step()"``). A method whose signature Python cannot read is
+    taken as it is."""
     if value is None and none_ok:
         return value
     names = [m.split("(", 1)[0] for m in methods]
@@ -154,35 +161,104 @@ def check_methods(
         raise TypeError(
             f"{name} must have {listed}, such as {example}{or_none}, got {type(value).__name__}"
         )
+    for method, attribute in zip(methods, names, strict=True):
+        given = method.split("(", 1)[1].rstrip(")").strip()
+        arguments = len(given.split(",")) if given else 0
+        problem = _call_problem(getattr(value, attribute), arguments)
+        if problem is not None:
+            raise TypeError(
+                f"{name}.{method} cannot be called that way: {type(value).__name__}."
+                f"{attribute}() {problem}{'. ' + fix if fix else ''}"
+            )
     return value
 
 
-def check_finite_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
-    """``ValueError`` naming the group and key of a number among the optimizer's
-    hyper-parameters (``lr``, ``betas``, ``weight_decay``, ...) that is not finite
-    (``inf``, ``nan``: every update would turn the weights into ``nan``) or that is larger
-    than the dtype of the group's parameters holds (``lr=1e300`` with float32 weights:
-    the step cannot even be computed)."""
+def _call_problem(method: Callable[..., Any], arguments: int) -> str | None:
+    """Why ``method`` cannot be called with ``arguments`` positional arguments (its
+    missing parameters, or too many given), or ``None`` when it can or when its signature
+    cannot be read."""
+    try:
+        signature = inspect.signature(method)
+    except (TypeError, ValueError):  # a builtin or an extension method: nothing to read
+        return None
+    try:
+        signature.bind(*range(arguments))
+    except TypeError:
+        params = list(signature.parameters.values())
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        required = [p.name for p in positional[arguments:] if p.default is p.empty] + [
+            p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty
+        ]
+        if required:
+            return f"also needs {', '.join(required)}"
+        return f"takes {len(positional)} argument(s), not {arguments}"
+    return None
+
+
+def unusable_hyperparameter(optimizer: torch.optim.Optimizer) -> str | None:
+    """The first of the optimizer's hyper-parameters an update cannot use, described
+    (``"optimizer.param_groups[0]['lr'] is nan; a learning rate must be a finite
+    number"``), or ``None``: a number among them (``lr``, ``betas``, ``weight_decay``,
+    ...; a one-element tensor counts as its number) that is not finite (every update
+    would turn the weights into ``nan``), or a learning rate below 0 (each update would
+    climb the loss). Reads the groups' values only, never a parameter: cheap enough for
+    every update attempt (``train_window`` calls it before each step)."""
+    for i, group in enumerate(optimizer.param_groups):
+        for key, value in group.items():
+            if key == "params":
+                continue
+            where = f"optimizer.param_groups[{i}][{key!r}] is {value!r}"
+            for v in _numbers(value):
+                if not math.isfinite(v) and key == "lr":
+                    return f"{where}; a learning rate must be a finite number"
+                if not math.isfinite(v):
+                    return f"{where}; hyper-parameters must be finite numbers"
+                if v < 0 and key == "lr":
+                    return f"{where}; a learning rate must be 0 or more"
+    return None
+
+
+def _numbers(value: object) -> list[float]:
+    """The real numbers in a hyper-parameter's value: itself, a one-element tensor's
+    number, or those of a list or tuple (``betas``); bools and anything else are not."""
+    found = []
+    for v in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        if isinstance(v, numbers.Real) and not isinstance(v, bool):
+            found.append(float(v))
+    return found
+
+
+def check_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
+    """``ValueError`` naming the group and key of a hyper-parameter an update cannot use
+    (:func:`unusable_hyperparameter`: not finite, or a learning rate below 0) or of one
+    larger than the dtype of the group's parameters holds (``lr=1e300`` with float32
+    weights: the step cannot even be computed)."""
+    problem = unusable_hyperparameter(optimizer)
+    if problem is not None:
+        raise ValueError(f"{problem}: build the optimizer with a usable value")
     for i, group in enumerate(optimizer.param_groups):
         dtypes = {p.dtype for p in group["params"] if p.is_floating_point()}
         largest = min((torch.finfo(d).max for d in dtypes), default=math.inf)
         for key, value in group.items():
-            if key == "params":
-                continue
-            for v in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(v, torch.Tensor) and v.numel() == 1:
-                    v = v.item()
-                if not isinstance(v, numbers.Real) or isinstance(v, bool):
-                    continue
-                where = f"optimizer.param_groups[{i}][{key!r}] is {value!r}"
-                if not math.isfinite(v):
-                    raise ValueError(
-                        f"{where}; hyper-parameters must be finite numbers: build the optimizer "
-                        "with a finite value"
-                    )
-                if abs(v) > largest:
-                    kind = " or ".join(sorted(str(d) for d in dtypes))
-                    raise ValueError(
-                        f"{where}, more than {kind} (its parameters' dtype) holds (at most "
-                        f"{largest:.4g}): build the optimizer with a smaller value"
-                    )
+            if key != "params" and any(abs(v) > largest for v in _numbers(value)):
+                kind = " or ".join(sorted(str(d) for d in dtypes))
+                raise ValueError(
+                    f"optimizer.param_groups[{i}][{key!r}] is {value!r}, more than {kind} (its "
+                    f"parameters' dtype) holds (at most {largest:.4g}): build the optimizer "
+                    "with a smaller value"
+                )
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def outside_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` that names the first line outside accumlab
+    (the user's call), however deep in the package the warning is raised; call it from
+    the function that warns."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level

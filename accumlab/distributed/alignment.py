@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..objectives import PADDING_ID, Objective, check_batch, take_rows
-from ..parallel import check_replicas, data_parallel_group, is_distributed, local_device
+from ..parallel import Replicas, is_distributed, local_device
 from ..plan import AccumulationPlan, Window
 
 T = TypeVar("T")
@@ -70,26 +70,24 @@ def gather_counts(values: Sequence[int], group: Any = None) -> list[list[int]]:
     dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)
     return table.cpu().tolist()
 
-def check_plan(plan: AccumulationPlan, model: torch.nn.Module) -> int:
-    """Return the model's ``D`` after checking ``plan`` against it and against the plans
-    of the other data-parallel ranks (before any data is read).
+def check_plan(plan: AccumulationPlan, replicas: Replicas) -> None:
+    """Check ``plan`` against the model's ``replicas`` (``parallel.Replicas.of(model)``)
+    and against the plans of the other data-parallel ranks, before any data is read.
 
-    ``ValueError`` for a plain model in a multi-rank process group
-    (``parallel.check_replicas``), for ranks whose plans differ (on every rank, naming the
-    field), and for a ``plan.data_parallel_size`` that is not the model's ``D`` (the
-    plan's effective batch, and the run record, would be wrong).
+    ``ValueError`` for ranks whose plans differ (on every rank, naming the field), and for
+    a ``plan.data_parallel_size`` that is not ``D`` (the plan's effective batch, and the
+    run record, would be wrong).
     """
-    replicas = check_replicas(model)
-    if replicas > 1:  # first, so that every rank raises the same error
-        check_plans_agree(plan, data_parallel_group(model))
-    if plan.data_parallel_size != replicas:
+    if replicas.size > 1:  # first, so that every rank raises the same error
+        check_plans_agree(plan, replicas.group)
+    if plan.data_parallel_size != replicas.size:
         raise ValueError(
             f"plan.data_parallel_size={plan.data_parallel_size} but the model has "
-            f"{replicas} data-parallel replica(s); build the plan with "
-            f"data_parallel_size={replicas} (al.data_parallel_size(world_size, "
+            f"{replicas.size} data-parallel replica(s); build the plan with "
+            f"data_parallel_size={replicas.size} (al.data_parallel_size(world_size, "
             "tensor_parallel_size=..., pipeline_parallel_size=...) for hybrid jobs)"
         )
-    return replicas
+
 
 def padding_microbatch(template: Mapping[str, Any], objective: Objective) -> dict[str, Any]:
     """A microbatch with zero targets, built from a real one of this rank (see module doc).
@@ -211,7 +209,7 @@ def aligned_windows(
     Raises ``RuntimeError`` if ``batches`` yields a different number of microbatches than
     its ``len``, and ``ValueError`` (on every rank) if a rank has no microbatch at all.
     The ranks that align are those of ``group``, the model's data-parallel group
-    (:func:`data_parallel_group`; ``None``: the world).
+    (``parallel.Replicas.group``; ``None``: the world).
     """
     windows = plan.windows(batches)
     if not is_distributed():

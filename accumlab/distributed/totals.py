@@ -25,7 +25,7 @@ from .alignment import gather_counts
 _SAME_ON_EVERY_RANK = ("update_attempts", "updates_applied", "updates_skipped")
 _LARGEST = "largest_microbatch"
 #: The counts of one ``UpdateReport`` that add up over ranks.
-_REPORT_COUNTS = ("examples", "targets", "microbatches", "backward_passes", "padding_microbatches")
+_REPORT_COUNTS = ("examples", "targets", "backward_passes", "padding_microbatches")
 
 
 def summed_counts() -> list[str]:

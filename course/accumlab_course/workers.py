@@ -44,7 +44,7 @@ from accumlab.distributed import (
 from accumlab.driver import train
 from accumlab.loop import default_forward
 from accumlab.objectives import NextTokenLoss
-from accumlab.parallel import gradient_sync, local_device, replicas_of
+from accumlab.parallel import Replicas, gradient_sync, local_device
 from accumlab.plan import AccumulationPlan
 from accumlab.record import RunRecord
 
@@ -506,11 +506,11 @@ def gradient_agreement(
     return {
         "rank": rank,
         "kind": kind,
-        "replicas": replicas_of(model),
+        "replicas": Replicas.of(model).size,
         "rel_errors": errors,
         "targets_per_window": [r.targets for r in ledger.reports],
         "global_targets": [r.global_targets for r in ledger.reports],
-        "microbatches_per_window": [r.microbatches for r in ledger.reports],
+        "microbatches_per_window": [r.backward_passes for r in ledger.reports],
         "padding_per_window": [r.padding_microbatches for r in ledger.reports],
         "loader_microbatches": len(batches),
         "ledger": ledger,

@@ -35,7 +35,6 @@ def report(
         examples=4,
         targets=40,
         global_targets=40,
-        microbatches=2,
         backward_passes=2,
         loss=loss,
         loss_sum=loss * 40,

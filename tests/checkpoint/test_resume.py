@@ -77,7 +77,7 @@ def test_interrupted_and_resumed_run_is_bit_identical(case: str, tmp_path: Path)
         assert {r["applied"] for r in reports} == {True, False}
         assert len({r["scale_after"] for r in reports[stop_after:]}) == 2
     if case == "short last window":
-        assert [r["microbatches"] for r in ledger["reports"]] == [2, 2, 2, 1]
+        assert [r["backward_passes"] for r in ledger["reports"]] == [2, 2, 2, 1]
     if case == "short last window dropped":
         assert (ledger["update_attempts"], ledger["dropped_windows"]) == (3, 1)
 
@@ -92,7 +92,7 @@ def test_resume_after_an_oom_shrink_is_bit_identical(tmp_path: Path) -> None:
     assert ledger["shrinks"] == [
         {"update": 0, "old_micro_batch_size": 8, "new_micro_batch_size": 4, "microbatches": 4}
     ]
-    assert [r["microbatches"] for r in ledger["reports"]] == [4, 4, 4, 4]
+    assert [r["backward_passes"] for r in ledger["reports"]] == [4, 4, 4, 4]
 
 
 def test_the_dropout_case_depends_on_the_restored_rng(tmp_path: Path, monkeypatch: Any) -> None:

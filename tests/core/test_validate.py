@@ -12,7 +12,7 @@ from accumlab.validate import (
     check_bool,
     check_callable_or_none,
     check_choice,
-    check_finite_hyperparameters,
+    check_hyperparameters,
     check_instance,
     check_methods,
     check_positive_int,
@@ -110,24 +110,71 @@ def test_bool_callable_instance_and_methods() -> None:
         check_methods("scheduler", None, ("step()",), example="S")
 
 
-def test_hyperparameters_must_be_finite_and_fit_the_parameters_dtype() -> None:
+class _Shapes:
+    """Methods of every call shape ``check_methods`` reads."""
+
+    def step(self, epoch: int | None = None) -> None: ...
+
+    def needs_metric(self, metrics: float, epoch: int | None = None) -> None: ...
+
+    def needs_keyword(self, *, mode: str) -> None: ...
+
+    def takes_none(self) -> None: ...
+
+    def takes_any(self, *args: object) -> None: ...
+
+    builtin = [].append  # a method whose signature Python reads: one argument
+
+
+@pytest.mark.parametrize(
+    ("method", "problem"),
+    [
+        ("needs_metric()", "also needs metrics"),
+        ("needs_keyword()", "also needs mode"),
+        ("takes_none(batch)", r"takes 0 argument\(s\), not 1"),
+        ("builtin()", "also needs object"),
+    ],
+)
+def test_a_method_that_cannot_be_called_as_written_is_named(method: str, problem: str) -> None:
+    with pytest.raises(
+        TypeError, match=rf"thing\.{method.split('(')[0]}\(.*\) cannot be called that way: "
+        rf"_Shapes\.\w+\(\) {problem}\. do this"
+    ):
+        check_methods("thing", _Shapes(), (method,), example="X", fix="do this")
+
+
+@pytest.mark.parametrize("method", ["step()", "step(epoch)", "takes_any(a, b, c)", "builtin(x)"])
+def test_a_method_that_can_be_called_as_written_passes(method: str) -> None:
+    shapes = _Shapes()
+    assert check_methods("thing", shapes, (method,), example="X") is shapes
+
+
+def test_hyperparameters_must_be_usable_and_fit_the_parameters_dtype() -> None:
     w32 = torch.nn.Parameter(torch.zeros(2))
     w64 = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
-    check_finite_hyperparameters(torch.optim.AdamW([w32], lr=1e-3, maximize=True))
-    check_finite_hyperparameters(torch.optim.SGD([w64], lr=1e300))  # float64 holds it
+    check_hyperparameters(torch.optim.AdamW([w32], lr=1e-3, maximize=True))
+    check_hyperparameters(torch.optim.SGD([w64], lr=1e300))  # float64 holds it
     with pytest.raises(
-        ValueError, match=r"param_groups\[0\]\['lr'\] is inf; hyper-parameters must be finite"
+        ValueError, match=r"param_groups\[0\]\['lr'\] is inf; a learning rate must be a finite"
     ):
-        check_finite_hyperparameters(torch.optim.SGD([w32], lr=math.inf))
+        check_hyperparameters(torch.optim.SGD([w32], lr=math.inf))
+    sgd = torch.optim.SGD([w32], lr=0.1)
+    sgd.param_groups[0]["lr"] = -0.1  # SGD refuses it when built, not later
+    with pytest.raises(ValueError, match=r"\['lr'\] is -0.1; a learning rate must be 0 or more"):
+        check_hyperparameters(sgd)
+    sgd.param_groups[0]["lr"] = 0.1
+    sgd.param_groups[0]["momentum"] = math.nan
+    with pytest.raises(ValueError, match=r"\['momentum'\] is nan; hyper-parameters must be finite"):
+        check_hyperparameters(sgd)
     adamw = torch.optim.AdamW([w32])
     adamw.param_groups[0]["betas"] = (0.9, math.nan)  # AdamW refuses it when built, not later
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['betas'\] is \(0.9, nan\)"):
-        check_finite_hyperparameters(adamw)
+        check_hyperparameters(adamw)
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['lr'\] is tensor\(inf\)"):
-        check_finite_hyperparameters(torch.optim.AdamW([w32], lr=torch.tensor(math.inf)))
+        check_hyperparameters(torch.optim.AdamW([w32], lr=torch.tensor(math.inf)))
     two = torch.optim.SGD([{"params": [w64], "lr": 1e300}, {"params": [w32], "lr": 1e300}])
     with pytest.raises(
         ValueError,
         match=r"param_groups\[1\]\['lr'\] is 1e\+300, more than torch.float32 \(its parameters' dtype\)",
     ):
-        check_finite_hyperparameters(two)
+        check_hyperparameters(two)

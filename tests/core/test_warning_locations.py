@@ -51,3 +51,19 @@ def test_fp16_without_a_scaler_warning_names_the_callers_file() -> None:
     )
     (warning,) = [w for w in caught if "without a scaler" in str(w.message)]
     assert warning.filename == __file__
+
+
+def test_a_warning_from_the_runs_setup_names_the_callers_file() -> None:
+    """``train`` works the run out in ``TrainSettings.check_objects`` and
+    ``loop.window_setup``, two calls deeper than a window does; the warning still names
+    the line that called ``train``."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    optimizer = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    caught = _caught(
+        lambda: al.train(
+            model, [_batch()], optimizer, al.AccumulationPlan(3, 1), al.ExampleLoss(),
+            forward=_call_x, progress=False,
+        )
+    )
+    (warning,) = [w for w in caught if "does not hold" in str(w.message)]
+    assert warning.filename == __file__

@@ -42,7 +42,7 @@ def test_short_last_window_update(toy64: nn.Module) -> None:
     assert ledger.targets == sum(targets)
     assert (ledger.dropped_windows, ledger.dropped_examples, ledger.dropped_targets) == (0, 0, 0)
     last = ledger.reports[-1]
-    assert (last.microbatches, last.examples, last.targets) == (1, 3, targets[6])
+    assert (last.backward_passes, last.examples, last.targets) == (1, 3, targets[6])
     assert [r.targets for r in ledger.reports] == [sum(targets[:3]), sum(targets[3:6]), targets[6]]
     assert [r.index for r in ledger.reports] == [0, 1, 2]
 
@@ -111,7 +111,6 @@ def test_record_and_record_dropped_add_up() -> None:
         examples=4,
         targets=30,
         global_targets=30,
-        microbatches=2,
         backward_passes=2,
         loss=1.25,
         loss_sum=37.5,
@@ -125,7 +124,6 @@ def test_record_and_record_dropped_add_up() -> None:
             examples=2,
             targets=0,
             global_targets=0,
-            microbatches=2,
             backward_passes=0,
             loss=math.nan,
             loss_sum=0.0,
@@ -134,7 +132,7 @@ def test_record_and_record_dropped_add_up() -> None:
         )
     )
     ledger.record_dropped(3, 11)
-    assert (ledger.microbatches, ledger.backward_passes) == (4, 2)
+    assert (ledger.microbatches, ledger.backward_passes) == (2, 2)  # none in a window without targets
     assert (ledger.update_attempts, ledger.updates_applied, ledger.updates_skipped) == (2, 1, 1)
     assert (ledger.examples, ledger.targets) == (6, 30)
     assert (ledger.dropped_windows, ledger.dropped_examples, ledger.dropped_targets) == (1, 3, 11)

@@ -66,7 +66,7 @@ def test_record_after_a_shrink_at_the_first_update_states_the_plan_that_ran():
 
 def test_record_after_a_later_shrink_says_from_which_update():
     ledger = run_with_oom_at(2)
-    assert [r.microbatches for r in ledger.reports] == [2, 2, 4, 4]
+    assert [r.backward_passes for r in ledger.reports] == [2, 2, 4, 4]
     record = al.RunRecord.from_run(al.AccumulationPlan(8, 2), ledger)
     assert (record.micro_batch_size, record.accumulation_steps) == (4, 4)  # the last updates
     assert [s["update"] for s in record.shrinks] == [2]

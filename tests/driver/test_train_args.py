@@ -266,7 +266,7 @@ def padding_after_shrink_worker() -> dict[str, Any]:
     )
     return {
         "padding": [r.padding_microbatches for r in ledger.reports],
-        "microbatches": [r.microbatches for r in ledger.reports],
+        "microbatches": [r.backward_passes for r in ledger.reports],
         "ledger_padding": ledger.padding_microbatches,
         "shrinks": len(ledger.shrinks),
         "bar": _Recorder.made,

@@ -24,7 +24,6 @@ def _ledger(rank: int) -> al.Ledger:
         examples=10 + rank,
         targets=20 + rank,
         global_targets=41,
-        microbatches=2,
         backward_passes=2,
         loss=1.0,
         loss_sum=float(20 + rank),

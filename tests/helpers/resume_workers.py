@@ -110,7 +110,7 @@ def build(config: Config, rank: int = 0) -> dict[str, Any]:
     plan = al.AccumulationPlan(
         config.m,
         config.a,
-        data_parallel_size=al.parallel.replicas_of(model),
+        data_parallel_size=al.parallel.Replicas.of(model).size,
         last_window=config.last_window,
     )
     return {
