@@ -131,7 +131,7 @@ FIGURES = [
      "06_when_equivalence_ends", r"gap to A=1 after 512 examples: (\d\.\d\d) nats at the "
      r"same lr, (\d\.\d\d) at lr × 2"),
     ("06 divided twice", r"your own gives (\d\.\d\d) × the gradient", "06_when_equivalence_ends",
-     r"divided twice\) +\|gradient\| = (\d\.\d\d) × the right one"),
+     r"loss_sum / count, then / A +\|gradient\| = (\d\.\d\d) × the right one"),
     ("07 the audit's cost", r"a correct loop costs (\d+) forward passes over (\d+) rows",
      "07_capstone", r"The audit ran (\d+) forward passes over (\d+) rows"),
     ("07 the audit's controlled set", r"(\d+) windows, (\d+) microbatches, (\d+) examples, unequal",
@@ -139,10 +139,10 @@ FIGURES = [
     ("07 the real run's update attempts", r"`updates_predicted` = (\d+)", "07_capstone",
      r"\n(\d+) update attempts \(\d+ applied, 0 skipped\) from \d+ microbatches / \d+ backward "
      r"passes\n512 examples"),
-    ("07 double division", r"loss of (\d\.\d+) instead of (\d\.\d+) nats per target",
-     "07_capstone", r"logged loss (\d\.\d+) instead of (\d\.\d+) nats per target"),
+    ("07 double division", r"`divides_twice` logs (\d\.\d+) × the right loss",
+     "07_capstone", r"divides_twice +(\d\.\d+) "),
     ("07 clears inside, schedules per backward",
-     r"`clears_inside`'s update is (\d\.\d+) × as long, `schedules_per_backward` runs at lr (\d\.\d+)",
+     r"`clears_inside`'s update is (\d\.\d+) × as long \(a deep dive adds\s+`schedules_per_backward`,\s+which runs at lr (\d\.\d+)",
      "07_capstone",
      r"clears_inside +- +(\d\.\d+) [\s\S]*?schedules_per_backward +- +\d\.\d+ +\d+% +(\d\.\d+)"),
     ("08 the Trainer's factor", r"`factor_predicted` = (\d+)/(\d+)", "08_audit_your_job",
@@ -161,9 +161,12 @@ def _figures(match: re.Match) -> tuple[str, ...]:
 
 
 def _shown(output: dict) -> str:
-    """A stream's text, or the text of a result's HTML (a prediction's folded answer
-    included: the kit quotes it for the facilitator) with its tags dropped."""
+    """A stream's text, or the text of a result's HTML with its tags dropped; of a
+    prediction's folded answer, the answer on lines of its own (the kit quotes it for the
+    facilitator), without the summary."""
     html_text = "".join(output.get("data", {}).get("text/html", ""))
+    if "accumlab-answer" in html_text:
+        html_text = "\n" + html_text.split("</summary>", 1)[1] + "\n"
     return "".join(output.get("text", "")) + html.unescape(re.sub(r"<[^>]+>", "", html_text))
 
 
