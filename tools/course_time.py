@@ -24,7 +24,9 @@ read a minute)
 The **core path** is every section except the deep dives: a heading that begins with
 "Deep dive" starts one, and it runs to the next heading of the same or a higher level
 that does not begin so (sub-headings inside it belong to it). Text before the first
-heading belongs to the core.
+heading belongs to the core. A lesson whose notebook metadata says
+``{"accumlab": {"outside_core": true}}`` is optional as a whole: all of it counts in
+"everything", none in the core path.
 
     .venv/bin/python tools/course_time.py notebooks/*.ipynb     # per notebook and in all
 """
@@ -46,6 +48,7 @@ MINUTES_PER_EXERCISE = 15
 MINUTES_PER_PREDICTION = 2
 DEEP_DIVE = "Deep dive"
 INSTALL_CELL_ID = "accumlab-install"
+OUTSIDE_CORE = "outside_core"  # notebook metadata accumlab.outside_core: an optional lesson
 
 _HEADING = re.compile(r"^(#{1,6})\s+(.*\S)\s*$")
 _CHECK = re.compile(r"\b(ex\d\d)\.(\w+)\.check\(")
@@ -86,6 +89,7 @@ class NotebookTime:
     name: str
     core: Counts
     everything: Counts
+    outside_core: bool = False
 
 
 def _kind(module: str, name: str) -> str:
@@ -123,9 +127,10 @@ def measure(path: Path) -> NotebookTime:
     nb = json.loads(Path(path).read_text(encoding="utf-8"))
     core, everything = Counts(), Counts()
     dive_level: int | None = None  # the heading level of the deep dive we are in, if any
+    outside = bool(nb.get("metadata", {}).get("accumlab", {}).get(OUTSIDE_CORE))
 
     def here() -> list[Counts]:
-        return [everything] if dive_level is not None else [core, everything]
+        return [everything] if outside or dive_level is not None else [core, everything]
 
     for cell in nb["cells"]:
         text = _source(cell)
@@ -159,7 +164,7 @@ def measure(path: Path) -> NotebookTime:
             for counts in here():
                 counts.code_lines += lines
                 counts.output_lines += shown
-    return NotebookTime(Path(path).stem, core, everything)
+    return NotebookTime(Path(path).stem, core, everything, outside)
 
 
 def course_time(paths: list[Path]) -> tuple[list[NotebookTime], Counts, Counts]:

@@ -85,6 +85,27 @@ def test_the_formula_on_a_notebook_counted_by_hand(tool, tmp_path):
     assert nb.everything.minutes == pytest.approx(905 / 130 + 101 / 20 + 10 / 40 + 30 + 2)
 
 
+def test_a_lesson_marked_outside_the_core_counts_in_everything_only(tool, tmp_path):
+    # notebook metadata {"accumlab": {"outside_core": true}}: an optional lesson, read whole
+    cells = [
+        _md("# Title\n" + _words(129)),  # 130 words
+        _code(_lines(20) + "\nex00.accumulation_steps.check(a)", outputs=[
+            {"output_type": "stream", "name": "stdout", "text": "a\nb\n"}]),  # 21 lines, 2 out
+        _code("ex00.update_attempts.check(p)"),  # a prediction
+    ]
+    path = tmp_path / "09_optional.ipynb"
+    path.write_text(json.dumps({"cells": cells, "metadata": {"accumlab": {"outside_core": True}},
+                                "nbformat": 4, "nbformat_minor": 5}))
+    nb = tool.measure(path)
+    assert nb.outside_core
+    assert (nb.core.words, nb.core.code_lines, nb.core.output_lines) == (0, 0, 0)
+    assert nb.core.exercises == nb.core.predictions == set() and nb.core.minutes == 0
+    assert (nb.everything.words, nb.everything.code_lines, nb.everything.output_lines) == (130, 22, 2)
+    assert nb.everything.minutes == pytest.approx(130 / 130 + 22 / 20 + 2 / 40 + 15 + 2)
+    _, core, everything = tool.course_time([path])
+    assert core.minutes == 0 and everything.minutes == nb.everything.minutes
+
+
 def test_hours_rounds_to_five_minutes(tool):
     assert tool.hours(232.4) == "3 h 50 min"
     assert tool.hours(242.6) == "4 h 05 min"
@@ -107,6 +128,9 @@ def test_the_core_path_fits_a_half_day(tool):
 
 def test_every_notebook_has_a_core_exercise_or_prediction(tool):
     for nb in tool.course_time(NOTEBOOKS)[0]:
+        if nb.outside_core:  # an optional lesson: its exercises count in "everything"
+            assert nb.everything.exercises or nb.everything.predictions, nb.name
+            continue
         assert nb.core.exercises or nb.core.predictions, nb.name
 
 
