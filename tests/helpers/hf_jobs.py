@@ -14,7 +14,6 @@ the sampler's order does not matter.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from helpers import hf_models
+from helpers.scratch import scratch_dir
 
 PAD, EOS, BOS, UNK, MASK = 0, 1, 2, 3, 4
 CHARS = " abcdefghijklmnopqrstuvwxyz.,"
@@ -148,7 +148,7 @@ def training_args(cls: Any = None, **overrides: Any) -> Any:
         save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
     )
     settings.update(overrides)
-    return (cls or TrainingArguments)(tempfile.mkdtemp(prefix="hf_job_"), **settings)
+    return (cls or TrainingArguments)(scratch_dir("hf_job_"), **settings)
 
 
 def flat(tensors: Any) -> Tensor:

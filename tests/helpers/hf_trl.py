@@ -18,6 +18,7 @@ from typing import Any
 
 from helpers import hf_jobs as hj
 from helpers import hf_rl
+from helpers.scratch import scratch_dir
 
 #: the chat template a conversational trainer applies: role and content, plainly
 TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }} {{ m['content'] }}.{% endfor %}"
@@ -93,7 +94,6 @@ def _build(module: str, trainer: str, config: str, rows: str, *, teacher: bool =
     ``_name_or_path`` names (a trainer that loads them by the model's name finds them there,
     not on a hub)."""
     def build(**args: Any) -> Any:
-        import tempfile
 
         import datasets
 
@@ -110,7 +110,7 @@ def _build(module: str, trainer: str, config: str, rows: str, *, teacher: bool =
             if ref:
                 models["ref_model"] = _llama(1, vocab)
             if saved:  # the student as built, and the tokenizer
-                folder = tempfile.mkdtemp(prefix="hf_trl_")
+                folder = scratch_dir("hf_trl_")
                 tok.save_pretrained(folder)
                 models["model"].save_pretrained(folder)
                 for m in models.values():

@@ -11,7 +11,6 @@ taken before the shift finds 55: a Trainer dividing by 55 scales the gradient by
 
 from __future__ import annotations
 
-import tempfile
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from helpers import hf_models
+from helpers.scratch import scratch_dir
 
 LENGTHS = (3, 11, 5, 9, 4, 10, 6, 7)  # 55 labels, 47 targets after the shift
 VOCAB = 64
@@ -145,7 +145,7 @@ def make_args(out: str | None = None, **overrides: Any) -> Any:
         dataloader_num_workers=0, seed=0,
     )
     settings.update(overrides)
-    return TrainingArguments(out or tempfile.mkdtemp(prefix="hf_audit_"), **settings)
+    return TrainingArguments(out or scratch_dir("hf_audit_"), **settings)
 
 
 def make_trainer(model: nn.Module, args: Any = None, trainer_class: Any = None, **kw: Any) -> Any:
