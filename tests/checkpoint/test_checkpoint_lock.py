@@ -28,8 +28,9 @@ import pytest
 from helpers import resume_workers as workers  # tests/helpers/resume_workers.py
 
 import accumlab as al
-from accumlab import checkpoint, cli
+from accumlab import checkpoint
 from accumlab.checkpoint import lock as lock_module
+from accumlab_course import cli
 
 LOCK = ".checkpoint-lock"
 REFUSED = ("in use by another run", "already holds checkpoints")
