@@ -28,6 +28,7 @@ from .checks import (
 from .chunked_loss import ChunkedNextTokenLoss
 from .distributed import ExampleIdCheck, check_example_ids, launch
 from .driver import train
+from .invariance import InvarianceReport, Split, split_invariance
 from .ledger import Ledger
 from .loop import accumulate, train_window
 from .loop_audit.report import AuditReport
@@ -59,6 +60,7 @@ __all__ = [
     "ExampleIdCheck",
     "ExampleLoss",
     "GradientComparison",
+    "InvarianceReport",
     "Ledger",
     "MemoryMeter",
     "NextTokenLoss",
@@ -67,6 +69,7 @@ __all__ = [
     "PrecisionPolicy",
     "ResumeMismatchError",
     "RunRecord",
+    "Split",
     "UpdateReport",
     "Window",
     "accumulate",
@@ -85,6 +88,7 @@ __all__ = [
     "resolve_scaler",
     "scaler_settings",
     "split_batch",
+    "split_invariance",
     "train",
     "train_window",
 ]

@@ -1,15 +1,21 @@
-"""The mistakes the audits name: one table for the loop audit and the Trainer audit.
+"""The mistakes the audits name: one table for every audit and check.
 
 Each name in :data:`MISTAKES` has a :class:`Mistake`: its cause (what the code does), the
 symptom a user sees in a real run, the fix, and which audits can report it —
-``"loop"`` (:func:`accumlab.audit`, a window loop on a controlled set) and ``"trainer"``
-(:func:`accumlab.hf.audit_trainer`, a Hugging Face ``Trainer`` job). :func:`reported_by`
-gives an audit's names in the table's order, the order the loop audit's report lists them.
+``"loop"`` (:func:`accumlab.audit`, a window loop on a controlled set), ``"trainer"``
+(:func:`accumlab.hf.audit_trainer`, a Hugging Face ``Trainer`` job) and ``"split"`` (the
+split-invariance engine, :mod:`accumlab.invariance`, which :func:`accumlab.split_invariance`,
+the Lightning callback and the Trainer and RL adapters share). :func:`reported_by` gives an
+audit's names in the table's order, the order every report lists them.
 
-The Trainer audit's split-invariance check (the job's own gradient for the same examples
-under several splits) names a factor of exactly ``1/A`` ``double_division``, a factor of
-exactly ``A`` ``num_items_ignored`` (a per-microbatch mean the Trainer no longer divides
-by ``A``), and any other dependence ``depends_on_split``.
+The split-invariance engine (the job's own gradient for the same examples under several
+splits) names a factor of exactly ``1/A`` ``double_division``, a factor of ``A`` (or the
+sum of the microbatches' own gradients) ``sum_of_means``, ``1/A`` times that sum
+``average_of_averages``, a short window scaled by its microbatches over the configured
+``A`` ``short_window_divided_by_a``, and any other dependence ``depends_on_split``; against
+an intended objective, ``wrong_normalization`` or ``not_token_mean``. An adapter may give a name by its cause in
+its framework (``check_splits(..., rename=...)``: a Trainer's ``sum_of_means`` is its
+``num_items_ignored``).
 
 A leaf of the layers: it imports nothing from accumlab.
 """
@@ -19,8 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: The audits that report mistakes: ``"loop"`` is :func:`accumlab.audit`, ``"trainer"`` is
-#: :func:`accumlab.hf.audit_trainer` (and its ``AuditCallback``).
-AUDITS: tuple[str, ...] = ("loop", "trainer")
+#: :func:`accumlab.hf.audit_trainer` (and its ``AuditCallback``), ``"split"`` is the
+#: split-invariance engine (:mod:`accumlab.invariance`) and every adapter built on it.
+AUDITS: tuple[str, ...] = ("loop", "trainer", "split")
 
 
 @dataclass(frozen=True)
@@ -35,19 +42,23 @@ class Mistake:
     audits: frozenset[str]
 
 
-def _both(cause: str, symptom: str, fix: str) -> Mistake:
-    return Mistake(cause, symptom, fix, frozenset({"loop", "trainer"}))
+def _both(cause: str, symptom: str, fix: str, *more: str) -> Mistake:
+    return Mistake(cause, symptom, fix, frozenset({"loop", "trainer", *more}))
 
 
 def _loop(cause: str, symptom: str, fix: str) -> Mistake:
     return Mistake(cause, symptom, fix, frozenset({"loop"}))
 
 
-def _trainer(cause: str, symptom: str, fix: str) -> Mistake:
-    return Mistake(cause, symptom, fix, frozenset({"trainer"}))
+def _trainer(cause: str, symptom: str, fix: str, *more: str) -> Mistake:
+    return Mistake(cause, symptom, fix, frozenset({"trainer", *more}))
 
 
-#: Every mistake either audit can name, in the order the loop audit's report lists them.
+def _split(cause: str, symptom: str, fix: str) -> Mistake:
+    return Mistake(cause, symptom, fix, frozenset({"split"}))
+
+
+#: Every mistake an audit can name, in the order the reports list them.
 MISTAKES: dict[str, Mistake] = {
     "double_division": _both(
         "the loss is divided twice: by the window's count and again, by A or by another "
@@ -56,6 +67,7 @@ MISTAKES: dict[str, Mistake] = {
         "one with a learning rate A times lower; Adam's normalization mostly hides the scale)",
         "divide each microbatch's loss sum once, by the window's target count; no extra / A "
         "(and none on top of a framework that already normalizes)",
+        "split",
     ),
     "average_of_averages": _both(
         "each microbatch's (or example's) loss is its own mean and the means are averaged: "
@@ -64,6 +76,26 @@ MISTAKES: dict[str, Mistake] = {
         "a short microbatch weighs more than one in a long microbatch",
         "sum the token losses (reduction='sum') and divide by the target count of the whole "
         "window, counted before the forward passes; never average the microbatch means",
+        "split",
+    ),
+    "sum_of_means": _split(
+        "each microbatch's loss is normalized on its own (its mean) and the window adds them "
+        "up without dividing by A, or the loss is multiplied by an A nothing divides by",
+        "updates about A times too large that weight each target by its microbatch: the "
+        "result depends on A and on how the examples are split",
+        "sum the token losses (reduction='sum') and divide by the target count of the whole "
+        "window; where the framework divides by A (Lightning, Accelerate), let it, and "
+        "multiply by A only what it divides",
+    ),
+    "short_window_divided_by_a": Mistake(
+        "a window with fewer microbatches than A (the last of an epoch) still divides each "
+        "loss by the configured A: its gradient is scaled by its microbatches over A",
+        "the last update of every epoch is too small (one microbatch of A: 1/A of its size), "
+        "and more so the shorter the last window",
+        "divide by the window's own count (its targets, or its number of microbatches); in "
+        "Lightning, drop the short last window (a sampler with drop_last, or a data set "
+        "whose length is a multiple of m × A) or multiply by A / its microbatches",
+        frozenset({"loop", "split"}),
     ),
     "ignored_tokens_counted": _both(
         "the loss is divided by a count that includes positions it never scores (padding, "
@@ -118,6 +150,7 @@ MISTAKES: dict[str, Mistake] = {
         "off by that factor)",
         "divide the summed loss by the window's target count (all microbatches, all ranks) "
         "and by nothing else",
+        "split",
     ),
     "not_token_mean": _trainer(
         "the gradient is no weighting of the objective's per-microbatch gradients: the loss "
@@ -125,6 +158,7 @@ MISTAKES: dict[str, Mistake] = {
         "none the audit can tell: the training loss is not the objective it compared with",
         "pass the loss you mean as objective= (an Objective with count and loss_sum), or "
         "make the loss a sum over targets divided by the window's count",
+        "split",
     ),
     "depends_on_split": _trainer(
         "the job's gradient for the same examples changes with how they are split into "
@@ -134,6 +168,7 @@ MISTAKES: dict[str, Mistake] = {
         "count: changing A to fit memory changes the training",
         "compute every normalizer and statistic over the window: sum the per-example (or "
         "per-token) losses and divide once by the window's count (num_items_in_batch)",
+        "split",
     ),
     "attention_crosses_examples": _trainer(
         "packed or flattened rows let each example's tokens attend to the examples before it "

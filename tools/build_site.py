@@ -477,9 +477,7 @@ def lesson_exercises(stem: str, nb: dict) -> list[dict]:
                 practises = re.sub(r"^(?:an? (?:number|int|float|choice|string|bool)\w*)\s*:\s*", "", comment.group(1).strip())
             else:
                 practises = re.sub(r"^[\d.]+\s*|^Exercise[^:]*:\s*", "", section)
-            predicted = "predictions" in exercise.checker.__module__ or re.search(
-                rf"\bpredict\w*\s*=\s*\.\.\.|\b{name}\s*=\s*\.\.\.", cell["source"]
-            )
+            predicted = exercise.kind == "prediction"
             found[name] = {
                 "name": name,
                 "path": f"ex{number}.{name}",
@@ -501,7 +499,8 @@ def exercise_box(exercise: dict) -> str:
     count = len(exercise["hints"])
     return (
         f'<div class="al-exercise" id="help-{exercise["path"].replace(".", "-")}">\n'
-        f'<details class="al-hints"><summary>{"Hint" if count == 1 else f"{count} hints"} for '
+        # no count in the summary: under a prediction, "2 hints" could read as its answer
+        f'<details class="al-hints"><summary>{"Hint" if count == 1 else "Hints"} for '
         f"<code>{path}</code> (open when stuck{'' if count == 1 else ', one at a time'})</summary>"
         f"<ol>{hints}</ol></details>\n"
         f'<details class="al-solution"><summary>Solution of <code>{path}</code> (try it first)</summary>'

@@ -149,7 +149,7 @@ def latest(args: argparse.Namespace) -> int:
         ran, failed = failures(junit) if junit.exists() else (0, ["  the tests did not run"])
     print(f"\nunder the newest releases, {ran} tests and notebook cells of {', '.join(targets)}:")
     if failed:
-        print(f"{len(failed)} fail (they pass under the lock; each needs a look before the lock moves):")
+        print(f"{len(failed)} fail (make test runs them under the lock; each needs a look before the lock moves):")
         print("\n".join(failed))
     else:
         print("all pass: the lock can move (python tools/lock.py write, then make test)")

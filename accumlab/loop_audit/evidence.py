@@ -8,7 +8,14 @@ from collections.abc import Callable, Sequence
 from .contributions import Contributions
 from .controlled_set import AUDIT_TOLERANCE, Row, RowKey
 from .report import WindowAudit
-from .weightings import MEAN_BY_EXAMPLES, PER_EXAMPLE, UNITS, Matches, Weighting
+from .weightings import (
+    MEAN_BY_EXAMPLES,
+    MEAN_TIMES_LABELS,
+    PER_EXAMPLE,
+    UNITS,
+    Matches,
+    Weighting,
+)
 
 Found = dict[str, list[int]]  # each mistake's name: the windows that show it
 
@@ -71,7 +78,32 @@ def weighting_evidence(
         return _average_of_averages(weighting, audits[constrained[0]], rows[constrained[0]])
     if name in ("ignored_tokens_counted", "count_before_shift"):
         return _other_count(name, weighting, audits, constrained, rows)
+    if name == "short_window_divided_by_a":
+        return _short_window(weighting, audits, constrained, rows)
     raise AssertionError(name)
+
+
+def _short_window(
+    weighting: Weighting,
+    audits: Sequence[WindowAudit],
+    constrained: Sequence[int],
+    rows: Sequence[Sequence[Row]],
+) -> str:
+    """The windows shorter than the full ones, divided by the full A all the same."""
+    full = max(audits[k].microbatches for k in constrained)
+    short = [k for k in constrained if audits[k].microbatches < full]
+    k = short[0]
+    a = audits[k].microbatches
+    per_mb = microbatch_counts(rows[k], "targets", a)
+    return (
+        f"{windows_text(short)} {'holds' if len(short) == 1 else 'hold'} {a} microbatches, "
+        f"fewer than the {full} of the full windows; window {k}'s microbatches hold "
+        f"{numbers(per_mb)} targets and reached the update with weights "
+        f"{numbers(audits[k].weights or [])} (1 = correct), equal to {audits[k].targets} / "
+        f"({weighting.key}) with the full A = {full}: each loss is divided by {full}, not by "
+        f"the {a} microbatches the window holds (its gradient {a}/{full} of an average of "
+        "averages over them)"
+    )
 
 
 def _double_division(
@@ -169,6 +201,15 @@ def _other_count(
         f"{unit}, and the measured weights {numbers(first.weights or [])} (1 = correct) "
         f"equal {first.targets} / ({weighting.key})"
     )
+    if weighting.key == MEAN_TIMES_LABELS:
+        text = (
+            f"each microbatch's mean loss is multiplied by its labels counted before the shift "
+            f"and the window divided by their sum (torchtune's num_tokens): in window {k} the "
+            f"microbatches hold {numbers(per_mb)} targets but {numbers(counted)} labels before "
+            f"the shift ({sum(counted)} in the window for its {first.targets} targets), and the "
+            f"measured weights {numbers(first.weights or [])} (1 = correct) equal "
+            f"{first.targets} / ({weighting.key})"
+        )
     if name == "count_before_shift":
         firsts = [r.key for r in rows[k] if r.labels > r.targets]
         shown = ", ".join(f"example {r} of microbatch {i}" for _, i, r in firsts)

@@ -57,13 +57,17 @@ def audit(train_one_window: Callable[..., Any], *, seed: int = 0) -> AuditReport
     updates need), so a correct loop costs 45 forward passes over 60 rows: the report
     counts them (``report.forward_passes``, ``report.rows_forwarded``). What it checks:
 
-    - the gradient each ``optimizer.step()`` finds, written as a combination of the
-      correct per-example contributions (each taken at the weights its forward pass ran
-      at); the weight of each example names double division (all ``1/A``), average of
-      averages (``1/targets`` of the microbatch or of the example, or microbatch means
-      weighted by their examples), ignored tokens (a denominator of positions or mask
-      tokens, shifted or not, instead of targets), a count taken before the shift (a row's
-      first label counted), lost microbatches (an example never trained, as when pairs of
+    - the gradient each ``optimizer.step()`` applies (read after its closure has run, when
+      it is given one: Lightning runs a window's last microbatch there, an LBFGS loop its
+      whole window), written as a combination of the correct per-example contributions
+      (each taken at the weights its forward pass ran at); the weight of each example names
+      double division (all ``1/A``), average of averages (``1/targets`` of the microbatch or
+      of the example, or microbatch means weighted by their examples), a short window divided
+      by the full ``A`` (the last window's microbatch means over the ``A`` of the full
+      windows, as Lightning and Accelerate divide), ignored tokens (a denominator of
+      positions or mask tokens, shifted or not, instead of targets), a count taken before
+      the shift (a row's first label counted, as the window's divisor or as torchtune's
+      factor on each microbatch's mean), lost microbatches (an example never trained, as when pairs of
       microbatches drop the last of an odd window), duplicated microbatches (trained
       twice), zero_grad inside the window (trained, then cleared), gradients carried over
       from earlier windows; when it is no combination of them, the same with targets not

@@ -2,8 +2,8 @@
 
 :class:`UpdateTrace` hooks the audit's model, optimizer and scheduler and records, in
 order, every forward pass (which example each input row is, and at which weights it ran),
-backward pass, ``zero_grad``, ``optimizer.step`` (with the gradient it found),
-``scheduler.step``, and every time the accumulated gradient shrank after a backward pass
+backward pass, ``zero_grad``, ``optimizer.step`` (with the gradient it found: after the
+closure, when it was given one), ``scheduler.step``, and every time the accumulated gradient shrank after a backward pass
 (a clip, before the next backward pass or before the step); it also keeps a weak
 reference to every tensor each window created. :func:`window_changes` says what the loop
 changed in its window.
@@ -224,11 +224,40 @@ class UpdateTrace:
             self.shrinks.append(factor)
             self._event("shrink", len(self.shrinks) - 1)
 
-    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def _record_step(self) -> None:
         self._shrunk_since_backward()
         with self._unrecorded():
             self.steps.append(Step(self.window, flat_grad(self.params)))
         self._event("step", len(self.steps) - 1)
+
+    def _pre_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict] | None:
+        """Record the step's gradient now, or, when ``step`` was given a closure, once the
+        closure has run: the optimizer applies what the closure's backward passes leave
+        (Lightning runs a window's last microbatch in it; an LBFGS loop its whole window)."""
+        # ``args`` starts with the optimizer itself: step(self, closure=None)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._record_step()
+            return None
+        calls = 0
+
+        def traced_closure() -> Any:
+            nonlocal calls
+            out = closure()
+            calls += 1
+            if calls == 1:
+                self._record_step()
+            else:  # a closure re-evaluated inside one step (LBFGS): its latest gradient
+                self._shrunk_since_backward()
+                with self._unrecorded():
+                    self.steps[-1].grad = flat_grad(self.params)
+            return out
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": traced_closure}
+        return (args[0], traced_closure, *args[2:]), kwargs
 
 
 def window_changes(

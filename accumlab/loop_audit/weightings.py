@@ -32,6 +32,15 @@ UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
 PER_EXAMPLE = "targets in the example × examples in the window"
 #: Per-microbatch means, each weighted by its share of the window's examples.
 MEAN_BY_EXAMPLES = "targets in the microbatch × examples in the window / examples in the microbatch"
+#: Per-microbatch means over the A of a full window, also in a shorter window (Lightning's
+#: and Accelerate's division by the configured A, whatever the window holds).
+FULL_A_MEAN = "the full A × targets in the microbatch"
+#: torchtune's single-device recipe: each microbatch's mean times its labels counted before
+#: the shift, the window scaled by one over that count summed.
+MEAN_TIMES_LABELS = (
+    "targets in the microbatch × labels before the shift in the window / labels before the "
+    "shift in the microbatch"
+)
 
 Matches = dict[str, tuple[Weighting, list[float]]]
 
@@ -42,17 +51,19 @@ def near(x: float, y: float) -> bool:
 
 
 def weightings(
-    rows: Sequence[Row], keep: Sequence[bool] | None = None
+    rows: Sequence[Row], keep: Sequence[bool] | None = None, full_a: int | None = None
 ) -> list[tuple[Weighting, list[float]]]:
     """Each candidate weighting with the divisor it gives every example (row) of a window.
 
     The right one divides every loss sum by the window's targets. The others are the
     mistakes: an extra ``/ A`` (double division), per-microbatch or per-example means
     averaged (average of averages, also with each microbatch's mean weighted by its
-    examples), counts that include ignored positions (label positions, mask tokens before
-    or after the shift), the count of labels before the shift, and combinations. With
-    ``keep``, the window is the kept rows only (a loop that lost some and normalizes over
-    what it trained); the other rows get an infinite divisor.
+    examples, or divided by ``full_a``, the A of a full window, in a shorter one too: the
+    short window divided by the full A), counts that include ignored positions (label
+    positions, mask tokens before or after the shift), the count of labels before the
+    shift (as the window's divisor, or as torchtune's factor on each microbatch's mean),
+    and combinations. With ``keep``, the window is the kept rows only (a loop that lost some
+    and normalizes over what it trained); the other rows get an infinite divisor.
     """
     keep = [True] * len(rows) if keep is None else list(keep)
     kept = [row for row, k in zip(rows, keep, strict=True) if k]
@@ -119,6 +130,26 @@ def weightings(
                 per_row(lambda row, in_mb=in_mb: a * a * in_mb[row.microbatch]),
             )
         )
+    if a > 1:  # one microbatch: its mean times its count over that count is the mean
+        labels = sum(row.labels for row in kept)
+        labels_in = {i: sum(r.labels for r in kept if r.microbatch == i) for i in microbatches}
+        targets_in = {i: sum(r.targets for r in kept if r.microbatch == i) for i in microbatches}
+        out.append(
+            (
+                Weighting(MEAN_TIMES_LABELS, ("count_before_shift",), unit="labels before the shift"),
+                per_row(
+                    lambda row: targets_in[row.microbatch] * labels / labels_in[row.microbatch]
+                ),
+            )
+        )
+    if full_a is not None and a > 1:  # in a full window it is A × targets in the microbatch
+        targets_in = {i: sum(r.targets for r in kept if r.microbatch == i) for i in microbatches}
+        out.append(
+            (
+                Weighting(FULL_A_MEAN, ("average_of_averages", "short_window_divided_by_a")),
+                per_row(lambda row: full_a * targets_in[row.microbatch]),
+            )
+        )
     if n_examples > a:  # else per-example means are the per-microbatch ones
         out.append(
             (
@@ -147,14 +178,15 @@ def matching(
     trained: Sequence[int],
     used: Sequence[int],
     lost: bool,
+    full_a: int | None = None,
 ) -> Matches:
     """The weightings a window's example shares (``weights``) agree with on the ``used``
     examples, each trained example counted as often as it was trained (``trained``), over
     the whole window of ``total`` targets and, when examples were ``lost``, over the
-    examples the loop trained."""
-    options = weightings(rows)
+    examples the loop trained; ``full_a`` is the A of the audit's full windows."""
+    options = weightings(rows, full_a=full_a)
     if lost:
-        options += weightings(rows, [t > 0 for t in trained])
+        options += weightings(rows, [t > 0 for t in trained], full_a)
     out: Matches = {}
     for w, d in options:
         if w.key not in out and all(

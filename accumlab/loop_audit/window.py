@@ -167,7 +167,10 @@ def measure_window(
     )
     readable = steps and used and exact and not clips
     matches = (
-        matching(rows, contributions.totals[k], weights, trained, used, bool(lost))
+        matching(
+            rows, contributions.totals[k], weights, trained, used, bool(lost),
+            full_a=max(len(w) for w in contributions.windows),
+        )
         if readable
         else None
     )

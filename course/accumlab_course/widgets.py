@@ -7,10 +7,21 @@ is one more pure function plus one more ``*_widget()`` builder.
 
 ``ipywidgets`` is imported inside the builders, so importing this module never needs a
 notebook front end.
+
+A widget is saved in a notebook as a picture, not as live state. Each builder returns an
+explorer that displays itself both ways: the live widget (for a running kernel) and
+:func:`static_html`, the same controls and table drawn once, at their settings, with a
+line saying that running the cell brings the sliders to life. ``tools/run_notebooks.py``
+saves the drawing and drops the live part and its state: a widget restored from saved
+state has no kernel behind it, so JupyterLab marks every one of its parts with a red
+"disconnected" icon until the cell runs again (7 in notebook 00 and 23 in 02 when the
+state was saved). A wide table scrolls sideways inside its own box, with a line under it
+that says so (:func:`scrolling`).
 """
 
 from __future__ import annotations
 
+import functools
 import html
 import math
 from collections.abc import Sequence
@@ -45,6 +56,108 @@ def slider_layout(label_px: int, track_px: int) -> dict[str, Any]:
         "layout": widgets.Layout(width=f"{label_px + track_px + READOUT_PX}px"),
         "style": {"description_width": f"{label_px}px"},
     }
+
+
+#: What a table's box says under a table that may be wider than a phone's screen.
+SCROLL_HINT = "A wide table: on a narrow screen, swipe or scroll it sideways."
+
+#: The line on a saved explorer's drawing (in the notebook before a run, and on the site).
+SAVED_NOTE = "Interactive widget, shown as saved: run this cell to move its sliders."
+
+
+def scrolling(table_html: str) -> str:
+    """``table_html`` in a box that scrolls sideways when the table is wider than the page
+    (a phone), never widening the page, with :data:`SCROLL_HINT` under it, so a reader
+    knows that columns hidden at the right are there."""
+    return (
+        '<div class="al-scroll" style="overflow-x:auto;max-width:100%">'
+        f"{table_html}</div>"
+        f'<div class="al-scroll-hint" style="font-size:0.8em;opacity:0.7">{html.escape(SCROLL_HINT)}</div>'
+    )
+
+
+def _readout(slider: Any) -> str:
+    fmt = getattr(slider, "readout_format", "") or ""
+    try:
+        return format(slider.value, fmt)
+    except (TypeError, ValueError):
+        return str(slider.value)
+
+
+def static_html(widget: Any, named: str = "") -> str:
+    """HTML drawing of ``widget`` and its children at their current values: boxes as rows
+    and columns, a slider as its description, a disabled range input and its readout, a
+    label as its text, an ``HTML`` widget as its value. What a notebook shows before its
+    cell runs again, and the site shows, in place of the live widget. A slider without a
+    description is named (for a screen reader) by ``named``, the label just above it.
+    Raises ``TypeError`` for a widget it cannot draw, naming it."""
+    import ipywidgets as widgets
+
+    def inner(box: Any) -> str:
+        parts, above = [], ""
+        for child in box.children:
+            parts.append(static_html(child, above))
+            above = child.value if isinstance(child, widgets.Label) else ""
+        return "".join(parts)
+
+    if isinstance(widget, widgets.HBox):
+        return (f'<div class="sw-hbox" style="display:flex;flex-wrap:wrap;gap:0.75rem;'
+                f'align-items:center">{inner(widget)}</div>')
+    if isinstance(widget, widgets.Box):  # VBox and the plain Box: a column
+        return (f'<div class="sw-vbox" style="display:flex;flex-direction:column;'
+                f'gap:0.25rem">{inner(widget)}</div>')
+    if isinstance(widget, (widgets.IntSlider, widgets.FloatSlider)):
+        description = html.escape(widget.description)
+        label = (f'<span class="sw-description" style="display:inline-block;'
+                 f'min-width:{widget.style.description_width or "0px"}">{description}</span>'
+                 if description else "")
+        return (
+            f'<div class="sw-slider" style="display:flex;flex-wrap:wrap;align-items:center;'
+            f'gap:0.5rem">{label}<input type="range" min="{widget.min}" max="{widget.max}" '
+            f'step="{widget.step}" value="{widget.value}" disabled '
+            f'aria-label="{description or html.escape(named) or "slider"}">'
+            f'<output class="sw-readout">{html.escape(_readout(widget))}</output></div>'
+        )
+    if isinstance(widget, widgets.Label):
+        return f'<div class="sw-label">{html.escape(widget.value)}</div>'
+    if isinstance(widget, widgets.HTML):
+        return f'<div class="sw-html">{widget.value}</div>'
+    raise TypeError(f"static_html cannot draw a {type(widget).__name__}; add it here")
+
+
+@functools.cache
+def _explorer_class() -> type:
+    """:class:`Explorer`, built on first use (ipywidgets is imported only then)."""
+    import ipywidgets as widgets
+
+    class Explorer(widgets.VBox):
+        """A column of controls over a pure function that displays itself twice: the live
+        widget, and the drawing a saved notebook keeps (``text/html``, by
+        :func:`static_html`, under :data:`SAVED_NOTE`), with ``title`` as its plain text.
+        A front end with a kernel shows the live widget; the saved file keeps the
+        drawing (``tools/run_notebooks.py``)."""
+
+        def __init__(self, children: Sequence[Any], title: str) -> None:
+            super().__init__(list(children))
+            self.title = title
+
+        def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+            bundle = super()._repr_mimebundle_(**kwargs) or {}
+            bundle["text/plain"] = f"{self.title}: {SAVED_NOTE}"
+            bundle["text/html"] = (
+                '<div class="static-widget" role="group" aria-label="interactive widget, '
+                f'as saved"><p class="sw-note"><i>{html.escape(SAVED_NOTE)}</i></p>'
+                f"{static_html(self)}</div>"
+            )
+            return bundle
+
+    return Explorer
+
+
+def explorer(children: Sequence[Any], title: str) -> Any:
+    """An explorer (an ``ipywidgets.VBox`` of ``children``) named ``title`` that a saved
+    notebook shows as a drawing (see :func:`static_html`)."""
+    return _explorer_class()(children, title)
 
 
 # --- effective batch (notebook 00) -----------------------------------------------------
@@ -99,7 +212,8 @@ def effective_batch_table(
 
 
 def effective_batch_html(table: dict[str, int]) -> str:
-    """Render a table from :func:`effective_batch_table` as an HTML table (labels with units)."""
+    """Render a table from :func:`effective_batch_table` as an HTML table (labels with units),
+    in a box that scrolls sideways on a narrow screen (:func:`scrolling`)."""
     missing = [key for key in EFFECTIVE_BATCH_LABELS if key not in table]
     if missing:
         raise ValueError(
@@ -110,7 +224,7 @@ def effective_batch_html(table: dict[str, int]) -> str:
         f"<td style='text-align:right;{CELL_STYLE}'><b>{table[key]}</b></td></tr>"
         for key, label in EFFECTIVE_BATCH_LABELS.items()
     )
-    return f"<table>{rows}</table>"
+    return scrolling(f"<table>{rows}</table>")
 
 
 def effective_batch_widget(
@@ -121,7 +235,8 @@ def effective_batch_widget(
     pipeline_parallel_size: int = 1,
 ) -> Any:
     """Sliders for m, A, D, T, P over :func:`effective_batch_table`; returns an
-    ``ipywidgets.VBox`` whose last child is an ``HTML`` widget holding the table.
+    :func:`explorer` (an ``ipywidgets.VBox``) whose last child is an ``HTML`` widget
+    holding the table.
 
     Moving a slider recomputes the table with the pure function (no printing, so the
     widget behaves the same in JupyterLab, in VS Code and under nbval). The arguments are
@@ -167,7 +282,7 @@ def effective_batch_widget(
 
     for slider in sliders.values():
         slider.observe(refresh, names="value")
-    return widgets.VBox([*sliders.values(), output])
+    return explorer([*sliders.values(), output], "effective-batch calculator")
 
 
 # --- token weighting (notebook 02) -----------------------------------------------------
@@ -244,7 +359,8 @@ def _share_bar(share: float, colour: str) -> str:
 def token_weighting_html(result: dict[str, Any]) -> str:
     """Render a result of :func:`token_weighting` as an HTML table: one row per
     microbatch (targets, mean loss, its share of the window under each scheme drawn as a
-    bar 100 px per whole window, and the per-target weight ratio), then both losses."""
+    bar 100 px per whole window, and the per-target weight ratio) in a box that scrolls
+    sideways on a narrow screen (:func:`scrolling`), then both losses."""
     keys = ("target_counts", "mean_losses", "token_mean_weights",
             "average_of_averages_weights", "target_weight_ratio", "token_mean",
             "average_of_averages", "targets")
@@ -276,7 +392,7 @@ def token_weighting_html(result: dict[str, Any]) -> str:
         f"microbatches; token mean <b>{result['token_mean']:.4f}</b> nats, average of "
         f"averages <b>{result['average_of_averages']:.4f}</b> nats</p>"
     )
-    return f"<table><tr>{head}</tr>{rows}</table>{summary}"
+    return scrolling(f"<table><tr>{head}</tr>{rows}</table>") + summary
 
 
 def token_weighting_widget(
@@ -284,7 +400,7 @@ def token_weighting_widget(
     mean_losses: Sequence[float] = (2.0, 4.0, 3.0),
 ) -> Any:
     """Sliders for each microbatch's target count and mean loss over
-    :func:`token_weighting`; returns an ``ipywidgets.VBox`` with one row per microbatch
+    :func:`token_weighting`; returns an :func:`explorer` (an ``ipywidgets.VBox``) with one row per microbatch
     and, last, an ``HTML`` widget holding :func:`token_weighting_html`. A row holds two
     ``VBox`` columns, each a ``Label`` above its slider: the target count, then the mean loss.
 
@@ -321,4 +437,4 @@ def token_weighting_widget(
         ])
         for i, (count, loss) in enumerate(zip(counts, losses, strict=True))
     ]
-    return widgets.VBox([*rows, output])
+    return explorer([*rows, output], "token-weighting explorer")

@@ -50,3 +50,14 @@ def test_each_loop_gets_its_exact_verdict(loop, expected):
         )
     # every report says what it ran, then what it does not check
     assert flat(text).endswith(flat(f"{report.ran} {NOT_CHECKED}"))
+
+
+def test_the_docs_count_the_corpus():
+    """docs/AUDIT.md's loop-audit section says how many loops of each kind it holds."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "AUDIT.md").read_text(encoding="utf-8")
+    right = sum(e.ok for _, e in CASES)
+    wrong = len(CASES) - right
+    assert f"holds {right} correct loops (0 false positives" in flat(doc)
+    assert f"and {wrong} wrong ones" in flat(doc)

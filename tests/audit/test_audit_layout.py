@@ -1,7 +1,8 @@
-"""The loop audit's place in the layers, read from the source with ``ast``: it imports the
-core's objectives and the two modules it shares with the Trainer audit (the table of
-mistakes and the fit), which import nothing above torch; its ``__init__`` re-exports
-nothing; inside it each module imports only those its map lists before it."""
+"""The loop audit's and the split-invariance engine's place in the layers, read from the
+source with ``ast``: they import the core's objectives (the engine also ``validate``) and
+the two modules every audit shares (the table of mistakes and the fit), which import
+nothing above torch; the loop audit's ``__init__`` re-exports nothing; inside each
+subpackage each module imports only those its map lists before it."""
 
 from __future__ import annotations
 
@@ -58,5 +59,27 @@ def test_each_module_imports_only_the_ones_its_map_lists_before_it():
             m.removeprefix("accumlab.loop_audit.")
             for m in _accumlab_imports(PACKAGE / "loop_audit" / f"{name}.py")
             if m.startswith("accumlab.loop_audit.")
+        }
+        assert inside <= set(order[:i]), (name, sorted(inside - set(order[:i])))
+
+
+def test_the_engine_imports_only_the_shared_modules_and_the_core_it_names():
+    allowed = {"accumlab.objectives", "accumlab.validate", "accumlab.mistakes",
+               "accumlab.least_squares"}
+    for path in sorted((PACKAGE / "invariance").glob("*.py")):
+        outside = {m for m in _accumlab_imports(path) if not m.startswith("accumlab.invariance")}
+        assert outside <= allowed, (path.name, sorted(outside - allowed))
+
+
+def test_each_engine_module_imports_only_the_ones_its_map_lists_before_it():
+    doc = ast.get_docstring(ast.parse((PACKAGE / "invariance" / "__init__.py").read_text()))
+    order = list(dict.fromkeys(re.findall(r"^- :mod:`\.(\w+)`", doc, re.MULTILINE)))
+    on_disk = {p.stem for p in (PACKAGE / "invariance").glob("*.py")} - {"__init__"}
+    assert sorted(order) == sorted(on_disk), "the map lists every module once"
+    for i, name in enumerate(order):
+        inside = {
+            m.removeprefix("accumlab.invariance.")
+            for m in _accumlab_imports(PACKAGE / "invariance" / f"{name}.py")
+            if m.startswith("accumlab.invariance.")
         }
         assert inside <= set(order[:i]), (name, sorted(inside - set(order[:i])))

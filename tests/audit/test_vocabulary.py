@@ -1,7 +1,8 @@
-"""The one table of mistakes both audits share (accumlab.mistakes): every entry is complete,
-and every name the loop audit emits is in it, marked as the loop audit's.
+"""The one table of mistakes every audit shares (accumlab.mistakes): every entry is
+complete, and every name the loop audit emits is in it, marked as the loop audit's.
 
-(The Trainer audit's names are checked against the same table in tests/hf.)
+(The Trainer audit's names are checked against the same table in tests/hf, the
+split-invariance engine's in tests/audit/test_invariance_engine.py.)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def test_each_audit_reports_names_in_the_table_order():
         assert names, audit
         assert list(names) == [n for n in MISTAKES if n in names]
         assert all(audit in MISTAKES[n].audits for n in names)
-    assert set(reported_by("loop")) | set(reported_by("trainer")) == set(MISTAKES)
+    assert set().union(*(reported_by(audit) for audit in AUDITS)) == set(MISTAKES)
     with pytest.raises(ValueError, match="audit must be one of"):
         reported_by("trainr")
 

@@ -126,3 +126,22 @@ def test_table_cells_are_padded_apart() -> None:
 
     text = effective_batch_html(effective_batch_table(1, 1))
     assert text.count("<td ") == 2 * len(EFFECTIVE_BATCH_LABELS) == text.count(CELL_STYLE)
+
+
+def test_a_saved_calculator_is_a_drawing_at_its_settings() -> None:
+    """The notebook keeps the widget's drawing (text/html), not its live state: JupyterLab
+    shows restored state with a red "disconnected" icon on every part until the cell runs."""
+    pytest.importorskip("ipywidgets")
+    from accumlab_course.widgets import SAVED_NOTE, SCROLL_HINT
+
+    widget = effective_batch_widget(micro_batch_size=3, accumulation_steps=5, data_parallel_size=7)
+    bundle = widget._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle  # live where a kernel runs
+    drawing, plain = bundle["text/html"], bundle["text/plain"]
+    assert SAVED_NOTE in drawing and SAVED_NOTE in plain and "VBox" not in plain
+    for slider, value in zip(widget.children[:5], (3, 5, 7, 1, 1), strict=True):
+        assert f'aria-label="{slider.description}"><output class="sw-readout">{value}</output>' in drawing
+    assert "<b>105</b>" in drawing  # the table at these settings: 3 × 5 × 7
+    assert SCROLL_HINT in drawing and "overflow-x:auto" in drawing
+    widget.children[0].value = 4  # the drawing follows the settings when displayed again
+    assert "<b>140</b>" in widget._repr_mimebundle_()["text/html"]

@@ -178,3 +178,15 @@ def test_headers_never_wrap_leaving_a_lone_symbol():
             assert line.strip() not in {"×", ""}, content
             if "×" in line:
                 assert re.search(r"\w[ \u00a0]?×", line), content
+
+
+def test_a_saved_explorer_is_a_drawing_with_labelled_sliders():
+    from accumlab_course.widgets import SAVED_NOTE
+
+    widget = token_weighting_widget([512, 1536], [2.0, 4.0])
+    drawing = widget._repr_mimebundle_()["text/html"]
+    assert SAVED_NOTE in drawing
+    # each slider is named by the label above it, and shows its value
+    assert 'aria-label="microbatch 1: targets"><output class="sw-readout">1536</output>' in drawing
+    assert 'aria-label="microbatch 0: mean loss (nats)"><output class="sw-readout">2.00</output>' in drawing
+    assert "token mean <b>3.5000</b>" in drawing

@@ -407,6 +407,69 @@ def keeps_only_the_latest_logits(model, optimizer, scheduler, window):
     scheduler.step()
 
 
+def lightning_automatic(training_step):
+    """Lightning's automatic optimization written out, with ``accumulate_grad_batches =
+    LIGHTNING_A``: each microbatch's ``training_step`` and backward run in a closure (the
+    loss divided by the configured A, the gradients cleared before the window's first
+    backward pass); the window's last closure runs inside ``optimizer.step(closure)``."""
+
+    def train_one_window(model, optimizer, scheduler, window):
+        def closure_for(i, mb):
+            def closure():
+                loss = training_step(model, mb, window) / LIGHTNING_A
+                if i == 0:
+                    optimizer.zero_grad()
+                loss.backward()
+                return loss
+
+            return closure
+
+        for i, mb in enumerate(window):
+            if i < len(window) - 1:
+                closure_for(i, mb)()
+            else:
+                optimizer.step(closure=closure_for(i, mb))
+        scheduler.step()
+
+    return train_one_window
+
+
+LIGHTNING_A = 4
+#: A token-sum module: its loss sum over the window's targets, times the A Lightning divides by.
+lightning_token_sum = lightning_automatic(
+    lambda model, mb, window: loss_sum(model, mb) / targets(window) * LIGHTNING_A
+)
+lightning_token_sum.__name__ = "lightning_token_sum"
+
+
+def torchtitan_train_step(model, optimizer, scheduler, window):
+    """torchtitan's train step: the window's valid tokens counted (over all ranks) before
+    the forward passes, each microbatch's summed loss divided by them."""
+    optimizer.zero_grad()
+    global_valid_tokens = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in window)
+    for mb in window:
+        pred = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+        loss = shifted_sum(pred, mb["labels"]) / global_valid_tokens
+        del pred
+        loss.backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def whole_window_in_a_closure(model, optimizer, scheduler, window):
+    """The window's forward and backward passes inside the closure ``optimizer.step`` runs
+    (as an LBFGS loop writes it)."""
+
+    def closure():
+        optimizer.zero_grad()
+        total = targets(window)
+        for mb in window:
+            (loss_sum(model, mb) / total).backward()
+
+    optimizer.step(closure)
+    scheduler.step()
+
+
 # -- one mistake each --------------------------------------------------------------------
 
 
@@ -648,6 +711,34 @@ def clips_values_every_microbatch(model, optimizer, scheduler, window):
         torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
     optimizer.step()
     scheduler.step()
+
+
+#: The mean-loss module: ``return self.model(**batch).loss``, divided by Lightning's A.
+lightning_mean = lightning_automatic(lambda model, mb, window: model(**mb).loss)
+lightning_mean.__name__ = "lightning_mean"
+
+
+def lightning_mean_per_window_a(model, optimizer, scheduler, window):
+    """The mean-loss module with each window's own A (the audit's last window is short):
+    an average of averages and nothing else."""
+    per_window = lightning_automatic(lambda model, mb, w: model(**mb).loss * LIGHTNING_A / len(w))
+    per_window(model, optimizer, scheduler, window)
+
+
+def torchtune_single_device(model, optimizer, scheduler, window):
+    """torchtune's single-device recipe: the window's labels counted before the shift,
+    each microbatch's mean loss times its count, then scale_grads(1 / num_tokens)."""
+    num_tokens = 0
+    for mb in window:
+        current = (mb["labels"] != -100).sum()
+        num_tokens += current
+        (model(**mb).loss * current).backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(1 / num_tokens)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 # -- lost, duplicated and misaligned data -------------------------------------------------
@@ -1031,6 +1122,9 @@ EXPECTED: dict = {
     keeps_only_the_latest_logits: OK,
     pairs_with_the_odd_one: OK,
     counts_after_the_shift_with_first_targets: OK,
+    lightning_token_sum: OK,
+    whole_window_in_a_closure: OK,
+    torchtitan_train_step: OK,
     # one mistake each
     double_division: bad("double_division"),
     hf_num_items_over_a: bad("double_division"),
@@ -1048,6 +1142,9 @@ EXPECTED: dict = {
     kept_logits: bad("kept_references"),
     counts_before_shift: bad("count_before_shift"),
     hf_num_items_before_shift: bad("count_before_shift"),
+    torchtune_single_device: bad("count_before_shift"),
+    lightning_mean: bad("average_of_averages", "short_window_divided_by_a"),
+    lightning_mean_per_window_a: bad("average_of_averages"),
     mask_minus_one_per_row: bad("ignored_tokens_counted"),
     mean_weighted_by_examples: bad("average_of_averages"),
     scheduler_before_step: bad("scheduler_before_optimizer"),

@@ -158,7 +158,7 @@ def test_the_exercise_index_links_each_exercise_to_its_section():
     stem = "01_single_device_loop"
     nb = build_site.read_notebook(REPO / "notebooks" / f"{stem}.ipynb")
     page = build_site.exercises_page([(stem, "01 · Loop", build_site.lesson_exercises(stem, nb))])
-    assert "[`ex01.accumulate_from_means`](lessons/01_single_device_loop.ipynb#9-exercise-accumulate-from-mean-losses)" in page
+    assert "[`ex01.accumulate_from_means`](lessons/01_single_device_loop.ipynb#6-exercise-accumulate-from-mean-losses)" in page
 
 
 # --- search ---------------------------------------------------------------------------------

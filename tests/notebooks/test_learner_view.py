@@ -67,3 +67,57 @@ def test_each_kind_of_machinery_is_found(source, output, what):
     cell = {"cell_type": "code", "source": source,
             "outputs": [{"output_type": "stream", "name": "stderr", "text": output}]}
     assert any(what.lower() in f.lower() for f in findings([cell]))
+
+
+# --- the core path reads without its deep dives ---------------------------------------------
+
+_HEADING = re.compile(r"^(#{1,6})\s+(.*\S)\s*$")
+
+
+def deep_dive_tails(cells: list[dict]) -> list[str]:
+    """Markdown cells that hold the end of a deep dive and then a heading back to the core
+    path. A learner on the core path skips the deep dive and starts reading such a cell at
+    its top: in the middle of the deep dive's last paragraph. (A heading that begins with
+    "Deep dive" starts one; it runs to the next heading of the same or a higher level,
+    as tools/course_time.py counts it.)"""
+    found, dive = [], None
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] != "markdown":
+            continue
+        fenced, dive_text = False, False
+        for line in _text(cell.get("source")).splitlines():
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            heading = None if fenced else _HEADING.match(line)
+            if heading:
+                level, title = len(heading.group(1)), heading.group(2)
+                if title.startswith("Deep dive"):
+                    if dive is None or level <= dive:
+                        dive = level
+                elif dive is not None and level <= dive:
+                    dive = None
+                    if dive_text:
+                        found.append(f"cell {i}: opens with a deep dive's last text, then "
+                                     f"'{title}'; split it before the heading")
+                dive_text = False
+            elif line.strip() and dive is not None:
+                dive_text = True
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_cell_opens_the_core_path_inside_a_deep_dive(path):
+    assert deep_dive_tails(json.loads(path.read_text(encoding="utf-8"))["cells"]) == []
+
+
+def test_a_deep_dive_tail_before_a_core_heading_is_found():
+    md = lambda text: {"cell_type": "markdown", "source": text}  # noqa: E731
+    cells = [md("## 1. Core\ntext"), md("### Deep dive: details\nmore"),
+             md("The dive's last words.\n\n## 2. Back in the core\ntext")]
+    assert deep_dive_tails(cells) == ["cell 2: opens with a deep dive's last text, then "
+                                      "'2. Back in the core'; split it before the heading"]
+    cells[2] = md("## 2. Back in the core\ntext")  # the tail in a cell of its own
+    assert deep_dive_tails(cells) == []
+    cells[1] = md("### Deep dive: details\nmore\n\n#### Exercise inside it\nstill the dive")
+    cells[2] = md("Core text.\n\n### Deep dive: another\n")  # core text, then a dive: fine
+    assert deep_dive_tails(cells) == []

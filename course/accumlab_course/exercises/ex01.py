@@ -471,7 +471,8 @@ adamw_ratio = number_prediction(
         "to it when g is multiplied by 3?",
     ),
     reasoning="m and sqrt(v) both scale by A, so m / (sqrt(v) + eps) is unchanged up to eps, "
-    "while the factor is the same for every update.",
+    "while the factor is the same for every update. The missing division still shows in the "
+    "logged loss, in a gradient-norm clip and with SGD.",
 )
 
 __all__ = [

@@ -14,7 +14,9 @@ state. The site is read offline and must not depend on a CDN, so this extension 
 each such script with static HTML built from the saved state: boxes as rows and columns,
 sliders as disabled range inputs with their saved value, labels and HTML as they are, an
 Output widget's saved outputs as text or images. A reader sees the widget as it was saved,
-with a note that it moves when the notebook runs.
+with a note that it moves when the notebook runs. (The course's own explorers are saved as
+their drawing already, ``text/html`` that the page shows as it is: ``tools/run_notebooks.py``
+keeps no live view or state of them. This transform draws any other saved widget.)
 """
 
 from __future__ import annotations
