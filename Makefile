@@ -100,10 +100,13 @@ $(VENV)/.installed-lab: $(VENV)/.installed-core
 	@$(TIMED) "install the lab" $(PIP) -e . -e "./course[lab]"
 	@touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed-core
-	@echo "installing the test tools (pytest, nbval, hypothesis, ruff) ..."
-	@$(TIMED) "install the test tools" $(PIP) -e ".[dev]" -e ./course
-	@touch $@
+# The test tools with the library and the course in one pip run (resolving the lock twice,
+# once for the course and once for the tools, took about half a minute more); it stands for
+# the course's install too, so `make test` installs once.
+$(VENV)/.installed-dev: pyproject.toml course/pyproject.toml $(VENV)/.installed-torch
+	@echo "installing accumlab and the course (editable) with the test tools (pytest, nbval, hypothesis, ruff) ..."
+	@$(TIMED) "install accumlab, the course and the test tools" $(PIP) -e ".[dev]" -e ./course
+	@touch $(VENV)/.installed-core $@
 
 # Serve the repository root; the URL JupyterLab opens or prints (with its token) is the
 # course's workspace: the learner's copies in the file browser, notebook 00 open.
@@ -162,8 +165,9 @@ slow: $(VENV)/.installed-dev $(HF_OLD_INSTALLED)
 nbval: $(VENV)/.installed-dev
 	@$(TIMED) "notebooks (strict nbval)" $(PYTEST) --nbval $(NOTEBOOKS)
 
-# The unit tests and the notebooks in one session, over both cores (see TEST_JOBS).
-test: check lint
+# The unit tests and the notebooks in one session, over both cores (see TEST_JOBS). The
+# test tools first: their install is the course's too, so check finds it done.
+test: $(VENV)/.installed-dev check lint
 	@echo "running the unit tests and the notebooks under strict nbval on $(TEST_JOBS) workers ..."
 	@$(TIMED) "unit tests and notebooks" $(PYTEST) -m "not slow" --nbval tests $(NOTEBOOKS)
 

@@ -234,6 +234,8 @@ def test_ci_installs_the_locks_torch_on_disk_and_runs_make_test_then_the_slow_ti
         'tools/timed "make slow" make -j3 --output-sync=target slow PIPFLAGS="$pipflags"',
     ]
     assert 'pipflags="-q --no-compile"' in script
+    # modules are compiled on first import, so Python must be let write the bytecode
+    assert "\nunset PYTHONDONTWRITEBYTECODE\n" in script
     assert "TORCH_INDEX" not in script  # never PyTorch's index (a CUDA or remote download)
 
 
