@@ -59,6 +59,14 @@ def _exercise_messages_on_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
 #: the time went" shows the slowest files (tests/infra/test_schedule.py checks that each
 #: entry names a file that exists).
 LONGEST_FIRST = (
+    # the slow tier's (make slow); their other tests, in make test, take a few seconds
+    "tests/infra/test_install_cell.py",
+    "tests/hf/test_hf_audit_versions.py",
+    "tests/infra/test_site.py",
+    "tests/notebooks/test_hf_requirements.py",
+    "tests/infra/test_nbval_matrix.py",
+    "tests/infra/test_wheel.py",
+    # make test's
     "notebooks/04_ddp_no_sync.ipynb",
     "tests/cli/test_cli_trust.py",
     "tests/course/test_exercises_03_04.py",  # 18 s CPU and a 20 s process-group timeout
@@ -66,7 +74,6 @@ LONGEST_FIRST = (
     "tests/checkpoint/test_resume.py",
     "tests/hf/test_hf_callback.py",
     "tests/core/test_chunked_loss.py",
-    "tests/infra/test_nbval_matrix.py",
     "tests/distributed/test_rank_decisions.py",
     "tests/distributed/test_distributed.py",
     "tests/hf/test_hf_jobs.py",
