@@ -31,6 +31,15 @@ class NotARegularFileError(OSError):
     """The target is (or has become) something :func:`write_atomically` never replaces."""
 
 
+class NotWritableError(OSError):
+    """A directory that cannot take new files (:func:`check_directory`); ``why`` is the
+    cause in words, the message names the directory too."""
+
+    def __init__(self, code: int | None, directory: Path, why: str) -> None:
+        super().__init__(code, f"cannot write to {directory}: {why}")
+        self.why = why
+
+
 def file_kind(mode: int) -> str:
     """What a ``stat`` mode is, in words: ``"a regular file"``, ``"a directory"``, ..."""
     kinds = [(stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
@@ -99,17 +108,62 @@ def _new_temp(path: Path) -> tuple[int, Path]:
             continue
 
 
-def check_directory(directory: str | os.PathLike[str]) -> None:
-    """Create ``directory`` (and its parents) if needed and prove that it takes new files
-    (a temporary file created and removed); ``OSError`` naming it and why otherwise."""
+def make_directories(directory: str | os.PathLike[str]) -> list[Path]:
+    """Create ``directory`` and its missing parents (as ``mkdir -p``); returns the ones
+    this call created, outermost first, for :func:`remove_empty_directories` to undo.
+    A directory another process creates meanwhile is not counted as created; on a
+    failure the ones created are removed again."""
     directory = Path(directory)
+    missing, path = [], Path(os.path.abspath(directory))
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    created: list[Path] = []
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        for path in reversed(missing):
+            try:
+                path.mkdir()
+            except FileExistsError:
+                if not path.is_dir():
+                    raise
+                continue
+            created.append(path)
+        directory.mkdir(parents=True, exist_ok=True)  # what stood there already: its own error
+    except BaseException:
+        remove_empty_directories(created)
+        raise
+    return created
+
+
+def remove_empty_directories(directories: list[Path]) -> None:
+    """Remove ``directories`` (as :func:`make_directories` returns them), innermost first,
+    while they are empty; what holds anything stays, and so do the ones above it."""
+    for path in reversed(directories):
+        try:
+            path.rmdir()
+        except OSError:
+            return
+
+
+def check_directory(directory: str | os.PathLike[str]) -> list[Path]:
+    """Create ``directory`` (and its parents) if needed and prove that it takes new files
+    (a temporary file created and removed); :class:`NotWritableError` naming it and why
+    otherwise (nothing created is left then). Returns the directories it created,
+    outermost first (:func:`make_directories`)."""
+    directory = Path(directory)
+    created: list[Path] = []
+    try:
+        created = make_directories(directory)
         fd, temp = _new_temp(directory / ".probe")
         os.close(fd)
         os.unlink(temp)
     except OSError as exc:
-        raise OSError(exc.errno, f"cannot write to {directory}: {exc.strerror or exc}") from exc
+        remove_empty_directories(created)
+        why = exc.strerror or str(exc)
+        if os.path.islink(directory) and not os.path.exists(directory):
+            why = f"it is a symlink to {os.readlink(directory)}, which does not exist"
+        raise NotWritableError(exc.errno, directory, why) from exc
+    return created
 
 
 def write_atomically(

@@ -15,8 +15,10 @@ to update. While copying:
   download of the notebook as committed, and its exercises;
 - every saved figure gets alt text: the cell's ``accumlab.alt`` metadata (what the figure
   shows, written with the notebook), else its title in the code, else the text above it;
-- a cell whose outputs the notebook saves collapsed (``jupyter.outputs_hidden``: the answer
-  to a prediction) shows them folded, opened on a click;
+- a prediction's answer is folded by the notebook itself (``exNN.<name>.reveal`` saves a
+  closed ``<details>``), and the page shows it as saved: closed, folded once; a cell whose
+  outputs the notebook saves collapsed (``jupyter.outputs_hidden``) shows them folded,
+  opened on a click;
 - under each exercise's checking cell, its hints and its solution, folded (<details>);
   exercises.md lists every exercise by lesson with what it practises;
 - the terms a lesson teaches (README.md's course table: code spans, OOM, DDP, ...) become
@@ -414,7 +416,9 @@ def add_figure_alts(nb: dict) -> int:
 def fold_collapsed_outputs(nb: dict) -> int:
     """Tag ``hide-output`` (myst-nb folds the output behind a click) on every code cell the
     notebook saves with its outputs collapsed (``metadata.jupyter.outputs_hidden``, what
-    JupyterLab shows as a bar to click: the reveal after a prediction); returns how many."""
+    JupyterLab shows as a bar to click); returns how many. A prediction's answer is not
+    one of them: it is saved folded (``Exercise.reveal``), in a cell saved unfolded
+    (tests/notebooks/test_predictions.py), so the page never folds it twice."""
     folded = 0
     for cell in nb["cells"]:
         metadata = cell.get("metadata", {})

@@ -28,7 +28,10 @@ Fails (exit 1, one line per problem) unless:
   and its lesson page folds its hints and solution;
 - no test machinery on a lesson page (``NBVAL_`` markers, a Makefile check) and no
   issue number on any page;
-- a prediction's reveal (a cell saved with its outputs collapsed) is folded on its page;
+- a prediction's answer is folded on its page: every answer a notebook saves
+  (``exNN.<name>.reveal``: a ``<details class="accumlab-answer">``) is there, closed, and
+  not inside another fold (no double folding); a cell the notebook saves with its outputs
+  collapsed is folded too;
 - the landing page has a "Start lesson 00 →" link and the study times computed from the
   notebooks (tools/course_time.py).
 
@@ -290,10 +293,21 @@ def _extended_checks(site: Path, pages: dict[str, _Page], stems: list[str]) -> l
         lesson = f"{LESSONS_DIR}/{stem}.html"
         if listing is None or not any(urlsplit(u).path == lesson for u in listing.links):
             problems.append(f"exercises.html does not list lesson {stem}")
-        folded = (site / lesson).read_text(encoding="utf-8").count("hide below-input") if lesson in pages else 0
+        page = (site / lesson).read_text(encoding="utf-8") if lesson in pages else ""
+        folded = page.count("hide below-input")
         if folded < collapsed_reveals(path):
             problems.append(f"{lesson}: {collapsed_reveals(path)} collapsed outputs in the notebook, "
                             f"{folded} folded on the page (a prediction's answer in view)")
+        answers = answer_folds(page)
+        if answers["answers"] < saved_answers(path):
+            problems.append(f"{lesson}: {saved_answers(path)} folded answers in the notebook, "
+                            f"{answers['answers']} on the page")
+        if answers["open"]:
+            problems.append(f"{lesson}: {answers['open']} answer(s) shown open (a prediction's "
+                            "answer in view)")
+        if answers["nested"]:
+            problems.append(f"{lesson}: {answers['nested']} answer(s) folded twice (inside "
+                            "another fold): save the revealing cell unfolded")
         for exercise in notebook_exercises(path):
             if exercise not in listed_text:
                 problems.append(f"exercises.html does not list {exercise} of lesson {stem}")
@@ -313,6 +327,49 @@ def _extended_checks(site: Path, pages: dict[str, _Page], stems: list[str]) -> l
         if times not in said:
             problems.append(f"index.html does not give the study time ({times})")
     return problems
+
+
+ANSWER_CLASS = "accumlab-answer"  # what Exercise.reveal folds a prediction's answer in
+
+
+def saved_answers(path: Path) -> int:
+    """How many folded answers a notebook saves (outputs of ``exNN.<name>.reveal``)."""
+    return sum(
+        1
+        for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]
+        for out in cell.get("outputs", [])
+        if ANSWER_CLASS in "".join(out.get("data", {}).get("text/html", ""))
+    )
+
+
+class _Folds(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.stack: list[bool] = []  # one entry per open <details>: is it an answer?
+        self.found = {"answers": 0, "open": 0, "nested": 0}
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag != "details":
+            return
+        values = dict(attrs)
+        answer = ANSWER_CLASS in (values.get("class") or "").split()
+        if answer:
+            self.found["answers"] += 1
+            self.found["open"] += "open" in values
+            self.found["nested"] += bool(self.stack)
+        self.stack.append(answer)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "details" and self.stack:
+            self.stack.pop()
+
+
+def answer_folds(page: str) -> dict[str, int]:
+    """On one page: the folded answers, how many are open, how many sit inside another
+    ``<details>`` (folded twice)."""
+    parser = _Folds()
+    parser.feed(page)
+    return parser.found
 
 
 def collapsed_reveals(path: Path) -> int:

@@ -13,7 +13,13 @@ conflict with them.
 ``restore`` never deletes a learner's work: the replaced copy is saved as
 ``my-notebooks/backups/<name>.<timestamp>.ipynb`` first (``...-2.ipynb``, ``-3``, ... when
 a restore in the same second took that name: a backup never replaces a file), and the line
-it prints says so.
+it prints says so. A copy that is open in a running JupyterLab gets a warning line as
+well: its tab still holds the old notebook, and a save from it (JupyterLab asks "File
+Changed": Overwrite) would put the old copy back over the fresh one; close the tab first,
+or choose Revert. The running servers are found as Jupyter lists them (the
+``jpserver-<pid>.json`` files of its runtime folder) and asked for their open notebooks
+(``/api/sessions``, a notebook with a kernel); a server that does not answer within a
+second is skipped.
 
 The copies it makes are marked trusted in Jupyter's signature database, as if the learner
 had run and saved them: the outputs they hold are the course's own, and JupyterLab shows an
@@ -29,12 +35,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import itertools
+import json
 import os
 import shutil
 import stat
 import sys
 import time
 import types
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -158,6 +166,70 @@ def _fresh_copy(source: Path, copy: Path) -> None:
     shutil.copystat(source, copy)
 
 
+def jupyter_runtime_dir() -> Path:
+    """Where running Jupyter servers describe themselves, as ``jupyter --runtime-dir``
+    finds it: ``$JUPYTER_RUNTIME_DIR``, else ``runtime`` in Jupyter's data folder
+    (``$JUPYTER_DATA_DIR``, else the platform's: ``~/Library/Jupyter`` on macOS,
+    ``%APPDATA%/jupyter`` on Windows, ``$XDG_DATA_HOME/jupyter`` or
+    ``~/.local/share/jupyter`` elsewhere)."""
+    if os.environ.get("JUPYTER_RUNTIME_DIR"):
+        return Path(os.environ["JUPYTER_RUNTIME_DIR"])
+    if os.environ.get("JUPYTER_DATA_DIR"):
+        return Path(os.environ["JUPYTER_DATA_DIR"]) / "runtime"
+    home = Path.home()
+    if sys.platform == "darwin":
+        data = home / "Library" / "Jupyter"
+    elif os.name == "nt":
+        data = Path(os.environ.get("APPDATA", home)) / "jupyter"
+    else:
+        data = Path(os.environ.get("XDG_DATA_HOME") or home / ".local" / "share") / "jupyter"
+    return data / "runtime"
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):  # alive but another user's, or a platform without it
+        return True
+    return True
+
+
+def open_notebooks(runtime: Path | None = None, timeout: float = 1.0) -> dict[Path, str]:
+    """The notebooks a running Jupyter server has open (with a kernel): ``{absolute path:
+    the server's URL}``. Reads each ``jpserver-<pid>.json`` of ``runtime`` (default
+    :func:`jupyter_runtime_dir`) whose process is alive and asks that server's
+    ``/api/sessions`` with its token; a file it cannot read or a server that does not
+    answer within ``timeout`` seconds is skipped (this is a courtesy warning, never a
+    reason to fail)."""
+    found: dict[Path, str] = {}
+    folder = runtime if runtime is not None else jupyter_runtime_dir()
+    for info_file in sorted(folder.glob("jpserver-*.json")) if folder.is_dir() else []:
+        try:
+            info = json.loads(info_file.read_text(encoding="utf-8"))
+            url, root = str(info["url"]), Path(info["root_dir"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not _alive(info.get("pid")):
+            continue
+        request = urllib.request.Request(url.rstrip("/") + "/api/sessions")
+        if info.get("token"):
+            request.add_header("Authorization", f"token {info['token']}")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 (a local server)
+                sessions = json.loads(response.read().decode("utf-8"))
+        except (OSError, ValueError):
+            continue
+        for session in sessions if isinstance(sessions, list) else []:
+            path = session.get("path") if isinstance(session, dict) else None
+            if isinstance(path, str) and path.endswith(".ipynb"):
+                found[(root / path).resolve()] = url
+    return found
+
+
 def restore(names: list[str], root: Path = ROOT, now: float | None = None,
             report: Callable[[str], object] | None = None) -> list[str]:
     """Replace the learner's copies of ``names`` (``["03"]``, ``["all"]``) with fresh ones.
@@ -174,8 +246,18 @@ def restore(names: list[str], root: Path = ROOT, now: float | None = None,
     target = root / COPIES
     _make_folder(target, root)
     lines = []
+    opened = open_notebooks()
     for source in lessons:
         copy = target / source.name
+        if copy.resolve() in opened:
+            lines.append(
+                f"warning: {COPIES}/{source.name} is open in JupyterLab "
+                f"({opened[copy.resolve()]}): its tab still holds your old copy. Close that "
+                "tab without saving; if JupyterLab says \"File Changed\", choose Revert "
+                "(Overwrite would put your old copy back over the fresh one)"
+            )
+            if report is not None:
+                report(lines[-1])
         backed_up = _back_up(copy, root, stamp)
         _fresh_copy(source, copy)
         if backed_up is not None:

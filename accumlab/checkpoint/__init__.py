@@ -40,8 +40,10 @@ The one-window core (``train_window``, ``accumulate``) knows nothing of checkpoi
 """
 
 from .compare import (
+    ABSENT,
     IMPLEMENTATION_SWITCHES,
     RESUMED_SETTINGS,
+    Difference,
     ResumeMismatchError,
     check_compatible,
     recorded_lrs,
@@ -71,6 +73,7 @@ from .replay import MAX_RNG_DRAWS, DataDraws, changed_generators, rng_state, set
 from .resume import Checkpointer
 
 __all__ = [
+    "ABSENT",
     "FORMAT",
     "IMPLEMENTATION_SWITCHES",
     "RESUMED_SETTINGS",
@@ -82,6 +85,7 @@ __all__ = [
     "Checkpointer",
     "CorruptCheckpointError",
     "DataDraws",
+    "Difference",
     "DirectoryLock",
     "ResumeMismatchError",
     "changed_generators",

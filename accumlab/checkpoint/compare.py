@@ -15,6 +15,7 @@ import math
 import types
 import warnings
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,24 +29,66 @@ if TYPE_CHECKING:
 _FIX = "Pass the values of the run that wrote it, or start a new run in another checkpoint_dir"
 
 
+#: The value of a :class:`Difference` where one side has no such setting.
+ABSENT = "absent"
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One thing a resume found changed. ``what`` names it: ``"plan.<field>"`` (e.g.
+    ``"plan.micro_batch_size"``), ``"world_size"``, ``"precision"``, ``"scaler"``, a
+    setting of :func:`run_settings` (``"seed"``, ``"clip_grad_norm"``, ``"optimizer"``,
+    ...), ``"optimizer.param_groups[<i>].<key>"`` (e.g. ``"optimizer.param_groups[0].lr"``),
+    ``"optimizer.params"`` (their number or order), ``"scheduler"``, ``"model"`` or
+    ``"data"`` (a window read again holds other data). ``saved`` and ``now`` are the
+    checkpoint's value and the given one (:data:`ABSENT` where a side has none; ``None``
+    for what has no single value: the scheduler's replay, the model, the data). ``text``
+    is the sentence the error gives for it."""
+
+    what: str
+    text: str
+    saved: Any = None
+    now: Any = None
+
+
 class ResumeMismatchError(ValueError):
     """Resume refused: the run differs from the one that wrote the checkpoint. The
     message names each setting (or the first window of data) that differs, with the
-    checkpoint's value and the given one, and the fix."""
+    checkpoint's value and the given one, and the fix; ``differences`` holds each as a
+    :class:`Difference` (empty for a refusal another rank made), for a caller that names
+    them in its own words (the ``accumlab`` command names its flags)."""
+
+    def __init__(self, message: str, differences: Iterable[Difference] = ()) -> None:
+        super().__init__(message)
+        self.differences = tuple(differences)
+
+
+def _refused(found: list[Difference]) -> ResumeMismatchError:
+    return ResumeMismatchError(
+        "cannot resume from this checkpoint, the run differs from the one that wrote it: "
+        + "; ".join(d.text for d in found) + f". {_FIX}",
+        found,
+    )
+
+
+def _changed(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(key, saved value, given value)`` per key whose value differs (:data:`ABSENT`
+    where a side lacks it), in the order of ``saved`` then ``now``."""
+    keys = list(saved) + [k for k in now if k not in saved]
+    return [
+        (k, saved.get(k, ABSENT), now.get(k, ABSENT))
+        for k in keys
+        if k not in saved or k not in now or saved[k] != now[k]
+    ]
+
+
+def _shown(value: Any) -> str:
+    return value if value is ABSENT else repr(value)
 
 
 def _differences(saved: Mapping[str, Any], now: Mapping[str, Any], prefix: str = "") -> list[str]:
     """One line per key whose value differs, in the order of ``saved`` then ``now``."""
-    keys = list(saved) + [k for k in now if k not in saved]
-
-    def shown(d: Mapping[str, Any], k: str) -> str:
-        return repr(d[k]) if k in d else "absent"
-
-    return [
-        f"{prefix}{k} {shown(saved, k)} in the checkpoint, {shown(now, k)} now"
-        for k in keys
-        if k not in saved or k not in now or saved[k] != now[k]
-    ]
+    return [f"{prefix}{k} {_shown(a)} in the checkpoint, {_shown(b)} now" for k, a, b in _changed(saved, now)]
 
 
 def _shapes(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -138,7 +181,7 @@ def started_with(hyperparameters: Mapping[str, Any], moved: bool = True) -> dict
     return started
 
 
-def _order_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+def _order_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[Difference]:
     """The parameters whose shape or name differs at the same place of the same group
     (an optimizer over the same parameters in another order), the first three named.
     The group sizes are equal here."""
@@ -154,11 +197,12 @@ def _order_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     if not found:
         return []
     more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
-    return found[:3] + [
+    return [Difference("optimizer.params", text) for text in found[:3]] + [Difference(
+        "optimizer.params",
         f"the optimizer holds the parameters in another order than the run that wrote the "
         f"checkpoint{more}: its state would land on other parameters; build it over them in "
-        "the same order"
-    ]
+        "the same order",
+    )]
 
 
 def _param(name: str | None, shape: list[int]) -> str:
@@ -173,26 +217,30 @@ def scheduler_moved(scheduler: Any) -> bool:
     return (isinstance(last, int) and last > 0) or any(map(scheduler_moved, nested))
 
 
-def _setting_differences(saved: dict[str, Any], now: dict[str, Any], moved: bool = False) -> list[str]:
+def _setting_differences(saved: dict[str, Any], now: dict[str, Any], moved: bool = False) -> list[Difference]:
     names = {"seed": "seed (torch.initial_seed())"}
     problems = [
-        f"{names.get(k, k)}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
+        Difference(k, f"{names.get(k, k)}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now",
+                   saved.get(k, ABSENT), now.get(k, ABSENT))
         for k in list(saved) + [k for k in now if k not in saved]
         if k not in _GROUP_DETAILS and saved.get(k) != now.get(k)
     ]
     if saved["optimizer"] != now["optimizer"]:
         return problems  # other hyper-parameters of another optimizer say nothing more
     if saved["param_group_sizes"] != now["param_group_sizes"]:
-        problems.append(
+        problems.append(Difference(
+            "optimizer.params",
             f"optimizer parameters per group: {saved['param_group_sizes']} in the checkpoint, "
-            f"{now['param_group_sizes']} now"
-        )
+            f"{now['param_group_sizes']} now",
+            saved["param_group_sizes"], now["param_group_sizes"],
+        ))
         return problems
     problems += _order_differences(saved, now)
     for i, (before, after) in enumerate(zip(saved["hyperparameters"], now["hyperparameters"], strict=True)):
         problems += [
-            f"optimizer param_groups[{i}]['{d.split(' ', 1)[0]}']: {d.split(' ', 1)[1]}"
-            for d in _differences(started_with(before, moved), started_with(after, moved))
+            Difference(f"optimizer.param_groups[{i}].{k}", f"optimizer param_groups[{i}]['{k}']: "
+                       f"{_shown(a)} in the checkpoint, {_shown(b)} now", a, b)
+            for k, a, b in _changed(started_with(before, moved), started_with(after, moved))
         ]
     return problems
 
@@ -332,32 +380,36 @@ def check_compatible(
     (:func:`run_settings`: the optimizer, its parameters in order, ...) and, given the
     ``scheduler`` and ``optimizer`` of the same classes, the scheduler
     (:func:`scheduler_differences`), each with the checkpoint's value and the given one."""
-    problems = [f"plan: {d}" for d in _differences(state["plan"], plan.to_dict())]
+    found = [
+        Difference(f"plan.{k}", f"plan: {k} {_shown(a)} in the checkpoint, {_shown(b)} now", a, b)
+        for k, a, b in _changed(state["plan"], plan.to_dict())
+    ]
     if state["world_size"] != world_size:
-        problems.append(f"world size: {state['world_size']} in the checkpoint, {world_size} now")
+        found.append(Difference("world_size", f"world size: {state['world_size']} in the checkpoint, "
+                                f"{world_size} now", state["world_size"], world_size))
     if state["precision"] != precision:
-        problems.append(f"precision: {state['precision']!r} in the checkpoint, {precision!r} now")
+        found.append(Difference("precision", f"precision: {state['precision']!r} in the checkpoint, "
+                                f"{precision!r} now", state["precision"], precision))
     scaling = scaler is not None and scaler.is_enabled()
     if bool(state["scaler"]) != scaling:
-        problems.append(
+        found.append(Difference(
+            "scaler",
             f"GradScaler: {'an enabled' if state['scaler'] else 'none'} in the checkpoint, "
-            f"{'an enabled' if scaling else 'none'} now"
-        )
-    problems += _setting_differences(state["settings"], settings, scheduler_moved(scheduler))
+            f"{'an enabled' if scaling else 'none'} now",
+            bool(state["scaler"]), scaling,
+        ))
+    found += _setting_differences(state["settings"], settings, scheduler_moved(scheduler))
     same = state["settings"]["scheduler"] == settings["scheduler"] and (
         state["settings"]["optimizer"] == settings["optimizer"]
     )
     if optimizer is not None and same:
-        problems += scheduler_differences(state, scheduler, optimizer)
+        found += [Difference("scheduler", text) for text in scheduler_differences(state, scheduler, optimizer)]
     model_diff = _differences(_shapes(state["model"]), _shapes(model.state_dict()))
-    problems += [f"model: {d}" for d in model_diff[:5]]
+    found += [Difference("model", f"model: {d}") for d in model_diff[:5]]
     if len(model_diff) > 5:
-        problems.append(f"model: and {len(model_diff) - 5} more differences")
-    if problems:
-        raise ResumeMismatchError(
-            "cannot resume from this checkpoint, the run differs from the one that wrote it: "
-            + "; ".join(problems) + f". {_FIX}"
-        )
+        found.append(Difference("model", f"model: and {len(model_diff) - 5} more differences"))
+    if found:
+        raise _refused(found)
 
 
 # ---------------------------------------------------------------------------- the data

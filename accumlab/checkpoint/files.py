@@ -25,7 +25,13 @@ from typing import Any
 import torch
 
 from .. import distributed
-from ..atomic_write import check_directory, fsync_directory, temp_pattern, write_atomically
+from ..atomic_write import (
+    NotWritableError,
+    check_directory,
+    fsync_directory,
+    temp_pattern,
+    write_atomically,
+)
 from ..validate import check_positive_int
 
 FORMAT = 3  # bumped when the layout of a checkpoint changes
@@ -58,23 +64,45 @@ def list_checkpoints(directory: str | os.PathLike[str], rank: int = 0) -> list[i
     if not directory.is_dir():
         return []
     found = []
-    for entry in directory.iterdir():
-        match = _NAME.match(entry.name)
-        if match and int(match.group(2)) == rank and entry.is_file():
-            found.append(int(match.group(1)))
+    try:
+        for entry in directory.iterdir():
+            match = _NAME.match(entry.name)
+            if match and int(match.group(2)) == rank and entry.is_file():
+                found.append(int(match.group(1)))
+    except OSError as exc:
+        raise _failed(exc, f"list the checkpoints in {os.fspath(directory)}") from exc
     return sorted(found, reverse=True)
 
 
-def check_writable(directory: str | os.PathLike[str]) -> None:
+def _failed(error: OSError, what: str) -> OSError:
+    """``error`` as an ``OSError`` whose message says what failed (``what``: the operation
+    and the path, "delete ..."), and why."""
+    return OSError(error.errno, f"cannot {what}: {error.strerror or error}")
+
+
+def check_path_name(directory: str | os.PathLike[str]) -> None:
+    """``ValueError`` naming ``checkpoint_dir`` and the path when the path holds a NUL
+    byte, which no file system takes (``os`` would say "embedded null byte", naming
+    neither)."""
+    text = os.fspath(directory)
+    nul = "\0" if isinstance(text, str) else b"\0"
+    if nul in text:
+        raise ValueError(
+            f"checkpoint_dir {text!r} holds a NUL byte (at position {text.index(nul)}), which no "
+            "file system takes in a path; give a directory without one"
+        )
+
+
+def check_writable(directory: str | os.PathLike[str]) -> list[Path]:
     """Create ``directory`` if needed and prove that it takes new files, so that a
     directory checkpoints cannot be written to is an ``OSError`` before training, not
-    after the first window."""
+    after the first window. Returns the directories it created, outermost first."""
     try:
-        check_directory(directory)
-    except OSError as exc:
+        return check_directory(directory)
+    except NotWritableError as exc:
         raise OSError(
             exc.errno, f"cannot write checkpoints to checkpoint_dir {os.fspath(directory)!r} "
-            f"({os.strerror(exc.errno) if exc.errno else exc}); give a directory you can write to"
+            f"({exc.why}); give a directory you can write to"
         ) from exc
 
 
@@ -126,17 +154,23 @@ def save_checkpoint(
     """
     check_positive_int("keep", keep)
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _failed(exc, f"create the checkpoint directory {directory}") from exc
     final = checkpoint_path(directory, update_attempts, rank)
     try:
         write_atomically(final, lambda f: torch.save({**state, "sha256": payload_checksum(state)}, f))
     except OSError as exc:
         raise OSError(exc.errno, f"{exc.strerror}; the checkpoints written before it are "
                       "intact") from exc
-    for old in list_checkpoints(directory, rank)[keep:]:
-        checkpoint_path(directory, old, rank).unlink(missing_ok=True)
-    for leftover in directory.glob(temp_pattern(f"checkpoint-*-rank{rank}.pt")):
-        leftover.unlink(missing_ok=True)  # from a write that was killed
+    old = [checkpoint_path(directory, n, rank) for n in list_checkpoints(directory, rank)[keep:]]
+    for path in old + list(directory.glob(temp_pattern(f"checkpoint-*-rank{rank}.pt"))):
+        try:  # the checkpoints beyond keep, and temporary files of writes that were killed
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            raise _failed(exc, f"delete {path} (a checkpoint older than the newest {keep}, or "
+                               f"a write's leftover), after writing {final.name}") from exc
     fsync_directory(directory)
     return final
 
@@ -147,18 +181,22 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     verify its checksum. :class:`CheckpointFormatError` for a checkpoint of another
     format; :class:`CorruptCheckpointError` naming the file and why when it is empty, cut
     short, unreadable, not plain data, not a checkpoint or fails the checksum (e.g. a
-    flipped bit inside a stored weight)."""
+    flipped bit inside a stored weight); an ``OSError`` naming it when it cannot be opened
+    (no permission, a directory at its name)."""
     name = os.fspath(path)
 
     def corrupt(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"checkpoint {name} is not intact: {why}")
 
+    try:  # a file that cannot be opened is no damage: an OSError naming it and the cause
+        with open(path, "rb") as file:
+            empty = os.fstat(file.fileno()).st_size == 0
+    except OSError as exc:
+        raise _failed(exc, f"read checkpoint {name}") from exc
+    if empty:
+        raise corrupt("the file is empty (0 bytes)")
     try:
-        if os.path.getsize(path) == 0:
-            raise corrupt("the file is empty (0 bytes)")
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except CorruptCheckpointError:
-        raise
     except Exception as exc:  # a cut or damaged file fails in many ways inside torch.load
         first = (str(exc).strip().splitlines() or [""])[0].split(". ")[0][:160]
         raise corrupt(f"it is cut short or damaged ({type(exc).__name__}: {first})") from exc
@@ -224,8 +262,8 @@ def load_newest_intact(directory: str | os.PathLike[str]) -> tuple[int, dict[str
     """``(update attempts, state)`` of the newest checkpoint every rank has and every
     rank can read intact (:func:`load_checkpoint`); ``None`` when there is none yet.
 
-    A newer one that some rank cannot read is skipped with a warning naming the file, why,
-    and the checkpoint resumed from instead; all ranks move to the previous one together (one small all-reduce per
+    A newer one that some rank cannot read (damaged, or an ``OSError`` reading it) is
+    skipped with a warning naming the file, why, and the checkpoint resumed from instead; all ranks move to the previous one together (one small all-reduce per
     checkpoint tried), so they load the same update. If every shared checkpoint is
     damaged: :class:`CorruptCheckpointError` naming the files, on every rank.
     """
@@ -235,8 +273,8 @@ def load_newest_intact(directory: str | os.PathLike[str]) -> tuple[int, dict[str
         path = checkpoint_path(directory, attempts, rank)
         try:
             state, why = load_checkpoint(path), ""
-        except CorruptCheckpointError as exc:
-            state, why = None, str(exc)
+        except (CorruptCheckpointError, OSError) as exc:  # OSError: the file cannot be read
+            state, why = None, exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         bad = [r for r, row in enumerate(distributed.gather_counts([bool(why)])) if row[0]]
         if not bad:
             for reason in skipped:

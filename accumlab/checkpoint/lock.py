@@ -16,10 +16,21 @@ is not: another run may be writing there.
 A lock left behind (the run was killed) is recognised and taken over with a warning:
 ``flock`` is released by the kernel when a process dies, however it dies, and the record
 names a process of this host that no longer runs (its pid is gone, or is another
-process: the start time differs), or is no lock record at all (not JSON, or a pid that
-is no process id: the warning names the file and why). A record of another host is never
-taken over: no process here can tell whether that run still lives; the error says to
-delete the file once it is sure.
+process: the start time differs), or is no lock record at all (bytes that are not UTF-8,
+NUL bytes, text that is not JSON, JSON that is not an object, a pid that is no process
+id: the warning names the file and what is wrong with it). A record of another host is
+never taken over: no process here can tell whether that run still lives; the error says
+to delete the file once it is sure. A lock path that is not a regular file (a symlink,
+even to a regular file, a directory, a FIFO) is never opened through, written or
+deleted: a run makes its lock itself, so such a thing was put there by something else,
+and writing through a symlink would overwrite the file it points to; the ``OSError``
+names it and says to remove it.
+
+Failures. Every filesystem error is an ``OSError`` naming the lock file and the operation
+(``cannot write the lock file ...: No space left on device``), and a run that cannot take
+the lock leaves nothing behind: the lock file it created and the directories it created
+for it are removed. The directories a run created are removed again when it lets the
+lock go, if they are empty then (a run that failed before its first checkpoint).
 
 File systems. On a local file system ``flock`` is exact. On NFS (Linux clients since
 2.6.12) ``flock`` is carried by NFS byte-range locks, held by the server, so runs on two
@@ -40,12 +51,16 @@ import errno
 import json
 import os
 import socket
+import stat
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from ..atomic_write import file_kind, make_directories, remove_empty_directories
 
 try:
     import fcntl
@@ -54,6 +69,14 @@ except ImportError:  # Windows: the record and O_EXCL only
 
 LOCK_NAME = ".checkpoint-lock"
 _SETTLE_S = 0.05  # pause before a fallback takeover reads its record back
+_MAX_RECORD_BYTES = 4096  # a record is about 100 bytes; more is read as no record
+#: How the lock file is opened: never through a symlink (``O_NOFOLLOW``: the open fails
+#: instead), and without blocking on a FIFO put at its name.
+_OPEN = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+class _Named(OSError):
+    """An ``OSError`` whose message names the lock file and the operation already."""
 
 
 class CheckpointDirectoryInUseError(RuntimeError):
@@ -78,11 +101,55 @@ def _process_start(pid: int) -> str | None:
         return None
 
 
-def _corrupt(record: dict[str, Any] | None) -> str | None:
-    """Why a lock record read back cannot be a run's, or ``None`` when it can be (or is
-    absent: a file still empty)."""
+@dataclass(frozen=True)
+class Unreadable:
+    """A lock file whose bytes are no lock record; ``why`` says what is wrong with them."""
+
+    why: str
+
+
+#: A lock file's content: its record, :class:`Unreadable`, or ``None`` while it is empty.
+Content = dict[str, Any] | Unreadable | None
+
+
+def _preview(data: bytes) -> str:
+    return repr(data[:24]) + (f"... ({len(data)} bytes)" if len(data) > 24 else "")
+
+
+def _parse(data: bytes) -> Content:
+    """A lock file's bytes as its record (see :data:`Content`)."""
+    if not data:
+        return None
+    if len(data) > _MAX_RECORD_BYTES:
+        return Unreadable(f"it holds over {_MAX_RECORD_BYTES} bytes, a record about 100; it "
+                          f"begins {_preview(data)}")
+    if b"\0" in data:
+        first = data.index(b"\0")
+        return Unreadable(f"it holds NUL bytes, the first at offset {first} (as a crash can "
+                          f"leave a file being written): {_preview(data)}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return Unreadable(f"its bytes are not UTF-8 text (byte {data[exc.start]:#04x} at offset "
+                          f"{exc.start}): {_preview(data)}")
+    try:
+        record = json.loads(text)
+    except ValueError as exc:
+        where = f" ({exc.msg} at character {exc.pos})" if isinstance(exc, json.JSONDecodeError) else ""
+        return Unreadable(f"it is not JSON{where}: {_preview(data)}")
+    if not isinstance(record, dict):
+        return Unreadable(f"it holds a JSON {type(record).__name__}, not an object naming a pid "
+                          f"and a host: {_preview(data)}")
+    return record
+
+
+def _corrupt(record: Content) -> str | None:
+    """Why a lock file's content read back cannot be a run's record, or ``None`` when it
+    can be (or is absent: a file still empty)."""
     if record is None:
         return None
+    if isinstance(record, Unreadable):
+        return record.why
     pid, host = record.get("pid"), record.get("host")
     if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= _MAX_PID:
         return f"its pid {pid!r} is not a process id"
@@ -106,31 +173,38 @@ def _alive(record: dict[str, Any]) -> bool | None:
     return start is None or record.get("process_start") in (None, start)
 
 
-def _describe(record: dict[str, Any] | None) -> str:
-    if not record:
+def _describe(record: Content) -> str:
+    if record is None:
         return "a process that has not written its name yet"
-    if _corrupt(record):
-        return f"a corrupt lock record ({_corrupt(record)})"
+    why = _corrupt(record)
+    if why or not isinstance(record, dict):
+        return f"a corrupt lock record ({why})"
     return (f"process {record.get('pid')} on host {record.get('host')!r}, started "
             f"{record.get('started')}")
 
 
-def _read(fd: int) -> dict[str, Any] | None:
+def _read_bytes(fd: int) -> bytes:
     os.lseek(fd, 0, os.SEEK_SET)
     data = b""
-    while chunk := os.read(fd, 4096):
+    while len(data) <= _MAX_RECORD_BYTES and (chunk := os.read(fd, 4096)):
         data += chunk
-    try:
-        record = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
+    return data
+
+
+def _read(fd: int) -> Content:
+    return _parse(_read_bytes(fd))
+
+
+def _encoded(record: dict[str, Any]) -> bytes:
+    return (json.dumps(record) + "\n").encode("utf-8")
 
 
 def _write(fd: int, record: dict[str, Any]) -> None:
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
-    os.write(fd, (json.dumps(record) + "\n").encode("utf-8"))
+    data = _encoded(record)
+    while data:  # a write may take part of the bytes
+        data = data[os.write(fd, data):]
     os.fsync(fd)
 
 
@@ -157,9 +231,10 @@ _HELD_GUARD = threading.Lock()
 
 
 def _same_file(path: Path, fd: int) -> bool:
-    """Whether ``path`` names the file open as ``fd`` (same device and inode)."""
+    """Whether ``path`` itself (not a symlink's target) names the file open as ``fd``
+    (same device and inode)."""
     try:
-        named = os.stat(path)
+        named = os.lstat(path)
     except FileNotFoundError:
         return False
     opened = os.fstat(fd)
@@ -180,6 +255,7 @@ class DirectoryLock:
         self.path = self.directory / LOCK_NAME
         self._key = os.path.realpath(self.directory)
         self._fd: int | None = None
+        self._created: list[Path] = []  # directories this lock created, outermost first
         self.record: dict[str, Any] = {}
 
     def __enter__(self) -> DirectoryLock:
@@ -196,8 +272,12 @@ class DirectoryLock:
                     "train() call of this process (in another thread, or one this call runs "
                     "inside); wait for it to return, or give this run another directory"
                 )
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._take()
+            self._created = make_directories(self.directory)
+            try:
+                self._take()
+            except BaseException:
+                remove_empty_directories(self._created)
+                raise
             _HELD[self._key] = os.getpid()
             return self
 
@@ -207,28 +287,46 @@ class DirectoryLock:
               "process_start": _process_start(os.getpid())}
         for _ in range(20):  # a holder that deletes the file as we open it: try again
             try:
-                fd, created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+                fd, created = os.open(self.path, _OPEN | os.O_CREAT | os.O_EXCL, 0o644), True
             except FileExistsError:
                 try:
-                    fd, created = os.open(self.path, os.O_RDWR), False
+                    fd, created = os.open(self.path, _OPEN), False
                 except FileNotFoundError:
                     continue
+                except OSError as exc:
+                    raise self._unusable(exc, "open") from exc
+            except FileNotFoundError:  # an ending run removed the empty directory it made
+                self._created += make_directories(self.directory)
+                continue
+            except OSError as exc:
+                raise self._unusable(exc, "create") from exc
+            state, step = None, "check"
             try:
+                kind = os.fstat(fd).st_mode
+                if not stat.S_ISREG(kind):  # a FIFO or a device put at its name
+                    raise self._not_a_lock(kind)
                 state = _flock(fd)
                 if state == "busy":
+                    step = "read"
                     raise self._in_use(self._holder(fd), flocked=True)
                 if not _same_file(self.path, fd):  # released (deleted) between our open and our flock
                     os.close(fd)
                     continue
                 if not created:
+                    step = "read"
                     self._take_over(fd, state)
+                step = "write"
                 _write(fd, me)
                 if not created and state == "unsupported":
                     time.sleep(_SETTLE_S)  # another taker may have written after us
+                    step = "read"
                     if _read(fd) != me:
                         raise self._in_use(_read(fd), flocked=False)
-            except BaseException:
-                os.close(fd)
+            except BaseException as exc:
+                self._discard(fd, created=created, state=state, mine=_encoded(me))
+                if isinstance(exc, OSError) and not isinstance(exc, _Named):
+                    raise _Named(exc.errno, f"cannot {step} the lock file {self.path}: "
+                                            f"{exc.strerror or exc}") from exc
                 raise
             self._fd, self.record = fd, me
             return
@@ -237,15 +335,52 @@ class DirectoryLock:
             "it; is another run starting in this directory?"
         )
 
-    def _holder(self, fd: int) -> dict[str, Any] | None:
+    def _discard(self, fd: int, *, created: bool, state: str | None, mine: bytes) -> None:
+        """Close ``fd`` after a failure to take the lock, first deleting the file when this
+        run created it and no other run has taken it since: under ``flock`` one that got
+        the flock (``state`` "held"), else one that holds nothing or (part of) ``mine``."""
+        try:
+            if created and state != "busy" and _same_file(self.path, fd):
+                if state == "held" or mine.startswith(_read_bytes(fd)):
+                    os.unlink(self.path)
+        except OSError:
+            pass  # left as it is: the next run takes over an empty or dead lock with a warning
+        finally:
+            os.close(fd)
+
+    def _not_a_lock(self, mode: int) -> _Named:
+        """The error for a lock path that is not a regular file (``mode``: its ``lstat``)."""
+        kind = file_kind(mode)
+        if stat.S_ISLNK(mode):
+            with contextlib.suppress(OSError):
+                kind += f" to {os.readlink(self.path)}"
+        return _Named(
+            errno.EEXIST,
+            f"the lock file {self.path} is {kind}, not a lock a run made (a run creates its "
+            "lock itself, as a regular file, and never writes through a symlink: that would "
+            "overwrite the file it points to); remove it once no run uses checkpoint directory "
+            f"{os.fspath(self.directory)}, and run again",
+        )
+
+    def _unusable(self, error: OSError, step: str) -> OSError:
+        """``error``, raised opening the lock file, as one that names it: what it is when
+        it is no regular file (a symlink makes ``O_NOFOLLOW`` fail), else the operation."""
+        with contextlib.suppress(OSError):
+            mode = os.lstat(self.path).st_mode
+            if not stat.S_ISREG(mode):
+                return self._not_a_lock(mode)
+        return _Named(error.errno, f"cannot {step} the lock file {self.path}: "
+                                   f"{error.strerror or error}")
+
+    def _holder(self, fd: int) -> Content:
         """The holder's record; a holder that has just created the file writes it within
-        moments."""
+        moments (what is there then, when it never becomes a record)."""
         for _ in range(20):
             record = _read(fd)
-            if record:
+            if isinstance(record, dict):
                 return record
             time.sleep(0.01)
-        return None
+        return record
 
     def _take_over(self, fd: int, state: str) -> None:
         """Take the lock file a run left behind, or raise when its holder may live (it
@@ -253,7 +388,7 @@ class DirectoryLock:
         between creating it and writing its name; a corrupt record by no run of accumlab."""
         record = self._holder(fd)  # an empty file: its creator may be writing its name now
         why = _corrupt(record)
-        if record and not why and _alive(record) is not False:
+        if isinstance(record, dict) and not why and _alive(record) is not False:
             raise self._in_use(record, flocked=state == "held")
         left = (f"the lock file {self.path}, whose record is corrupt ({why}) and which no "
                 "process holds" if why else
@@ -265,9 +400,9 @@ class DirectoryLock:
             stacklevel=7,
         )
 
-    def _in_use(self, record: dict[str, Any] | None, *, flocked: bool) -> CheckpointDirectoryInUseError:
+    def _in_use(self, record: Content, *, flocked: bool) -> CheckpointDirectoryInUseError:
         where = os.fspath(self.directory)
-        valid = record is not None and not _corrupt(record)
+        valid = isinstance(record, dict) and not _corrupt(record)
         if valid and _alive(record) is None:  # type: ignore[arg-type]
             return CheckpointDirectoryInUseError(
                 f"checkpoint directory {where} is in use by {_describe(record)} (lock file "
@@ -291,9 +426,33 @@ class DirectoryLock:
             return False
         return _same_file(self.path, self._fd) and _read(self._fd) == self.record
 
+    def lost(self) -> str:
+        """How the lock file stopped being this run's, in words (for an error message):
+        deleted, replaced by another file, or overwritten (and with what)."""
+        if self._fd is not None and _same_file(self.path, self._fd):
+            return f"was overwritten while the run lived (it now names {_describe(_read(self._fd))})"
+        if not os.path.lexists(self.path):
+            return "was deleted while the run lived"
+        if os.path.islink(self.path):
+            return f"was replaced by a symlink to {os.readlink(self.path)} while the run lived"
+        try:
+            fd = os.open(self.path, _OPEN)
+        except OSError:
+            return "was replaced by something else while the run lived"
+        try:
+            now = _describe(_read(fd)) if stat.S_ISREG(os.fstat(fd).st_mode) else "no lock"
+        except OSError:
+            now = "a file that cannot be read"
+        finally:
+            os.close(fd)
+        return f"was replaced by another while the run lived (which names {now})"
+
     def release(self) -> None:
         """Let the directory go: delete the lock file if it is still this run's
-        (:meth:`held`; a file another run created at that name since is left alone)."""
+        (:meth:`held`; a file another run created at that name since is left alone), then
+        the directories it created for the run, if they are empty. A lock file that
+        cannot be deleted is a warning naming it (the next run takes it over), never an
+        error that would hide how the run ended."""
         with _HELD_GUARD:
             if self._fd is None:
                 return
@@ -301,8 +460,18 @@ class DirectoryLock:
                 del _HELD[self._key]
             try:
                 if self.held():
-                    with contextlib.suppress(FileNotFoundError):
+                    try:
                         os.unlink(self.path)  # while flocked: a later opener makes a new file
+                    except FileNotFoundError:
+                        pass
+                    except OSError as exc:
+                        warnings.warn(
+                            f"could not delete the lock file {self.path} ({exc.strerror or exc}); "
+                            "the next run in this directory takes it over with a warning",
+                            UserWarning, stacklevel=4,
+                        )
+                    else:
+                        remove_empty_directories(self._created)
             finally:
                 fd, self._fd = self._fd, None
                 os.close(fd)
@@ -342,15 +511,15 @@ def lock_run_directory(directory: str | os.PathLike[str]) -> DirectoryLock | Non
 def check_still_held(lock: DirectoryLock | None, directory: str | os.PathLike[str]) -> None:
     """Before a checkpoint write: :class:`CheckpointDirectoryInUseError` on every rank when
     the lock rank 0 holds (``lock``; ``None`` on the other ranks) is no longer this run's,
-    because its file was deleted or replaced while the run lived (another run may have
-    taken the directory since); the message names the file."""
+    because its file was deleted, replaced or overwritten while the run lived (another run
+    may have taken the directory since); the message names the file and what happened."""
     lost = None
     if lock is not None and not lock.held():
         lost = CheckpointDirectoryInUseError(
             f"checkpoint directory {os.fspath(directory)} is no longer this run's: its lock file "
-            f"{lock.path} was deleted or replaced while the run lived, so another run may be "
-            "writing there; this run stopped before writing another checkpoint. Let one run "
-            "at a time use the directory, then resume"
+            f"{lock.path} {lock.lost()}, so another run may be writing there; this run stopped "
+            "before writing another checkpoint. Let one run at a time use the directory, then "
+            "resume"
         )
     _together(lost, f"rank 0 found that the lock of checkpoint directory "
                     f"{os.fspath(directory)} is no longer this run's (its error says why)")

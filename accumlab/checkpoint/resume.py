@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..atomic_write import remove_empty_directories
 from ..distributed.alignment import gather_counts
 from ..ledger import Ledger
 from ..plan import AccumulationPlan
 from .compare import (
     _FIX,
+    Difference,
     ResumeMismatchError,
     _ids_hint,
     _loader_state,
@@ -33,6 +35,7 @@ from .files import (
     KEEP,
     _rank_and_world,
     _refuse_a_used_directory,
+    check_path_name,
     check_writable,
     load_newest_intact,
     save_checkpoint,
@@ -122,11 +125,14 @@ class Checkpointer:
         self._pending: dict[str, Any] | None = None  # loaded state, put in place after the skip
         self._written: tuple[int, int] | None = None
         self._lock: DirectoryLock | None = None
+        if directory is not None:
+            check_path_name(directory)
         if self.directory is not None:
             try:  # before anything is written there
                 self._lock = lock_run_directory(self.directory)
             except OSError:
-                check_writable(self.directory)  # the clear message of a directory not writable
+                # the clear message of a directory not writable; else the lock's own error
+                remove_empty_directories(check_writable(self.directory))
                 raise
             try:
                 check_writable(self.directory)
@@ -228,9 +234,11 @@ class Checkpointer:
         for index in range(self._skip):
             window = self._draws.replay(source, index)
             if window is None:
+                what = (f"the data ended after {index} windows, but the checkpoint was written "
+                        f"after {self._skip}")
                 raise ResumeMismatchError(
-                    f"the data ended after {index} windows, but the checkpoint was written "
-                    f"after {self._skip}; resume needs the data of the run that wrote it. {_FIX}"
+                    f"{what}; resume needs the data of the run that wrote it. {_FIX}",
+                    [Difference("data", what)],
                 )
             if first_bad < 0 and window_digest(_real_microbatches(window)) != self._digests[index]:
                 first_bad, ids = index, _ids_hint(window)
@@ -252,13 +260,15 @@ class Checkpointer:
                 "already partly read?"
                 + (f" (its data's random draws from window {full_at} on were not "
                    "replayed: see the warning of that run)" if unreplayed else "")
-                + f" {_FIX}"
+                + f" {_FIX}",
+                [Difference("data", where)],
             )
         if read != self._position:
+            what = (f"the first {self._skip} windows of the data hold {read} loader microbatches, "
+                    f"but the checkpoint's run had read {self._position}")
             raise ResumeMismatchError(
-                f"the first {self._skip} windows of the data hold {read} loader microbatches, "
-                f"but the checkpoint's run had read {self._position}; resume needs the data of "
-                f"the run that wrote it. {_FIX}"
+                f"{what}; resume needs the data of the run that wrote it. {_FIX}",
+                [Difference("data", what)],
             )
 
     def windows(self, windows: Iterable[Any]) -> Iterator[Any]:

@@ -3,23 +3,33 @@ give the full-batch gradient? (``pip install 'accumlab[hf]'``)
 
 ``audit_trainer(trainer, steps=1)`` runs the Trainer's own training path for ``steps``
 windows and returns a :class:`TrainerAuditReport` (``ok``, ``mistakes``, ``scale``,
-``relative_error``, ``fix``). The pieces under it, for a Trainer callback:
-:class:`~accumlab.hf.capture.TrainerCapture` (capture the microbatches a Trainer
-trains on and a window's pre-clip gradient), :func:`~accumlab.hf.diagnose.diagnose` (windows -> report),
-:func:`~accumlab.hf.state.preserved_model` / ``preserved_trainer`` (leave things as they were).
+``relative_error``, ``fix``, ``logged``); ``AuditCallback`` checks a real run's first
+updates. The pieces under them: :class:`~accumlab.hf.capture.TrainerCapture` (the
+microbatches a Trainer trains on and a window's pre-clip gradient),
+:func:`~accumlab.hf.audit.measured_report` (windows -> report),
+:func:`~accumlab.hf.state.preserved_model` / ``preserved_trainer`` (leave things as they
+were).
 
-Modules: ``capture`` (recording), ``objectives`` (:class:`TokenLoss`, the objective a
-model means, each microbatch cut into its examples), ``reference`` (the objective's
-gradient and the weighting fits), ``invariance`` (split invariance, for a loss the audit
-does not know), ``verdict`` (names and evidence), ``fixes`` (pasteable fixes), ``report``,
-``diagnose``, ``state`` (snapshot and restore), ``audit`` (``audit_trainer``).
+Modules, one idea each: ``capture`` (recording), ``objectives`` (the objectives the audit
+knows, each microbatch cut into its examples), ``reference`` (the objective's gradient and
+the weighting fits), ``verdict`` (names and evidence), ``diagnose`` (windows against the
+reference), ``rows`` (a window's examples cut and joined), ``steps`` (the Trainer's own
+steps at a split), ``generated`` (online RL's frozen buffer), ``invariance`` (the Trainer
+adapter of the split-invariance engine, :mod:`accumlab.invariance`), ``logged`` (the
+numbers the Trainer logs), ``fixes`` (pasteable fixes), ``report``, ``state`` (snapshot
+and restore), ``audit`` (``audit_trainer``), ``callback`` (``AuditCallback``).
 """
 
 from __future__ import annotations
 
 try:
     import transformers as _transformers
-except ImportError:
+except ImportError as _missing:
+    if _missing.name != "transformers":  # installed, but it fails to import: say why
+        raise ImportError(
+            f"accumlab.hf: transformers is installed but fails to import ({_missing}); "
+            "reinstall it with pip install 'accumlab[hf]'"
+        ) from _missing
     raise ImportError(
         "accumlab.hf needs Hugging Face transformers: pip install 'accumlab[hf]'"
     ) from None

@@ -19,9 +19,11 @@ from torch.utils.data import IterableDataset
 from ..objectives import Objective
 from .capture import CapturedWindow, TrainerCapture, unwrapped_model
 from .diagnose import diagnose, tolerances
-from .invariance import batch_samples, split_invariance, train_window
+from .invariance import split_invariance
+from .logged import logged_numbers
 from .report import TrainerAuditReport
 from .state import preserved_trainer
+from .steps import batch_samples, train_window
 
 #: The transformers releases the tests run the audit under, exactly: 4.46.3 (the first with
 #: num_items_in_batch), 4.50.3 and 4.57.6 (tests/hf/test_hf_audit_versions.py, each in a
@@ -54,7 +56,8 @@ def _check_arguments(trainer: Any, steps: int, objective: Any) -> None:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int (optimizer steps to audit), got {steps!r}")
     if objective is not None and not (
-        callable(getattr(objective, "count", None)) and callable(getattr(objective, "loss_sum", None))
+        callable(getattr(objective, "count", None))
+        and callable(getattr(objective, "loss_sum", None))
     ):
         raise TypeError(
             "objective must be None (inferred from the model) or an accumlab Objective with "
@@ -102,11 +105,20 @@ def _not_checked_reason(trainer: Any) -> str | None:
     model = trainer.model
     params = list(model.parameters())
     if any(p.device.type == "meta" for p in params):
-        return "the model has parameters on the meta device (no values to train): load its weights first"
+        return (
+            "the model has parameters on the meta device (no values to train): "
+            "load its weights first"
+        )
     if not any(p.requires_grad for p in params):
-        return "the model has no trainable parameter (every requires_grad is False): nothing to accumulate"
+        return (
+            "the model has no trainable parameter (every requires_grad is False): "
+            "nothing to accumulate"
+        )
     if getattr(trainer, "is_deepspeed_enabled", False):
-        return "DeepSpeed owns the gradient (partitioned, scaled inside its engine): the audit cannot read it"
+        return (
+            "DeepSpeed owns the gradient (partitioned, scaled inside its engine): "
+            "the audit cannot read it"
+        )
     if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
         return "FSDP shards the gradient inside Accelerate's plugin: the audit cannot read it"
     if isinstance(trainer.train_dataset, IterableDataset):
@@ -115,7 +127,10 @@ def _not_checked_reason(trainer: Any) -> str | None:
             "put back, so the run after it would miss them"
         )
     if getattr(trainer.args, "n_gpu", 1) > 1:
-        return "torch.nn.DataParallel (several GPUs in one process) is not audited: launch with torchrun"
+        return (
+            "torch.nn.DataParallel (several GPUs in one process) is not audited: "
+            "launch with torchrun"
+        )
     return None
 
 
@@ -126,6 +141,30 @@ def _training_model(trainer: Any) -> Any:
     if trainer.model_wrapped is not trainer.model:
         return trainer.model_wrapped
     return trainer.accelerator.prepare_model(trainer.model)
+
+
+def trainer_grad_norm(trainer: Any, model: Any) -> None:
+    """Compute the window's gradient norm the way the Trainer's loop does for its log (the
+    capture notes it): ``_get_grad_norm`` after any clip where the release has it, else
+    the clip's total when ``max_grad_norm`` > 0 (older releases log none without a clip).
+    Not under a GradScaler: outside a run there is no optimizer to unscale with."""
+    scaler = getattr(trainer.accelerator, "scaler", None)
+    if scaler is not None and scaler.is_enabled():  # unscaled by the optimizer a run has
+        return
+    max_norm = trainer.args.max_grad_norm
+    clips = max_norm is not None and max_norm > 0
+    try:
+        if hasattr(trainer, "_get_grad_norm"):
+            total = (
+                trainer._clip_grad_norm(model)
+                if clips and hasattr(trainer, "_clip_grad_norm")
+                else None
+            )
+            trainer._get_grad_norm(model, grad_norm=total)
+        elif clips:
+            trainer.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    except Exception:  # noqa: BLE001 - the logged norm is then not checked; the update still is
+        return
 
 
 def run_windows(trainer: Any, steps: int) -> list[CapturedWindow]:
@@ -142,11 +181,14 @@ def run_windows(trainer: Any, steps: int) -> list[CapturedWindow]:
     try:
         with capture.install(trainer):
             for _ in range(steps):
-                batches, num_items = batch_samples(trainer, iterator, accumulation, trainer.args.device)
+                batches, num_items = batch_samples(
+                    trainer, iterator, accumulation, trainer.args.device
+                )
                 if not batches:
                     break
                 capture.open_window()
                 train_window(trainer, model, batches, num_items)
+                trainer_grad_norm(trainer, model)  # closes the window before any clip
                 capture.close_window(trainer.model)
                 trainer.model.zero_grad(set_to_none=True)  # the window holds its .grad tensors
     finally:
@@ -154,17 +196,39 @@ def run_windows(trainer: Any, steps: int) -> list[CapturedWindow]:
         if callable(close):
             close()
         del iterator
+    if capture.broken:
+        raise RuntimeError(capture.broken)
     return capture.windows
 
 
-def invariance_report(trainer: Any, windows: list[CapturedWindow], unknown: TrainerAuditReport) -> TrainerAuditReport:
-    """The report for a job whose objective the audit does not know: split invariance
-    of each window (:mod:`accumlab.hf.invariance`), run inside :func:`preserved_trainer`."""
+def invariance_report(
+    trainer: Any, windows: list[CapturedWindow], unknown: TrainerAuditReport
+) -> TrainerAuditReport:
+    """The report for a job whose objective the audit does not know, or whose reference
+    cannot run: split invariance of each window (:mod:`accumlab.hf.invariance`), run
+    inside :func:`preserved_trainer`."""
     ok_tol, _ = tolerances(trainer)
     model = _training_model(trainer)
     results = [split_invariance(trainer, model, w, ok_tol) for w in windows if w.microbatches]
-    return TrainerAuditReport.from_invariance(results, unknown.reason, ok_tol, trainer,
-                                              unwrapped_model(trainer))
+    return TrainerAuditReport.from_invariance(
+        results, unknown.reason, ok_tol, trainer, unwrapped_model(trainer)
+    )
+
+
+def measured_report(
+    trainer: Any, windows: list[CapturedWindow], objective: Objective | None = None
+) -> TrainerAuditReport:
+    """Captured windows to a report, shared by :func:`audit_trainer` and the callback:
+    against the objective the job means (:func:`~accumlab.hf.diagnose.diagnose`), else
+    by split invariance on the job's own path; then the numbers the Trainer logs
+    (:mod:`accumlab.hf.logged`). The model must still hold the windows' weights."""
+    report = diagnose(windows, trainer, objective=objective)
+    if report.unknown_objective:
+        with preserved_trainer(trainer):
+            report = invariance_report(trainer, windows, report)
+    if report.checked:
+        report.logged = logged_numbers(report, windows, trainer)
+    return report
 
 
 def audit_trainer(
@@ -177,9 +241,13 @@ def audit_trainer(
     after the data-parallel sync and before clipping, and compares it with the reference:
     the same examples, all ranks' together, as one batch under the objective the job means
     (token mean over shifted targets for a causal LM, example mean for one label per
-    example; ``objective=`` to say it). Returns a
+    example; ``objective=`` to say it). A loss the audit does not know (a subclass's own,
+    TRL's preference and RL losses), or a job whose reference cannot run (a model that
+    needs its labels, a collator of its own), is checked by split invariance on the job's
+    own path instead. The numbers the Trainer logs for the window (``loss``,
+    ``grad_norm``) are checked too. Returns a
     :class:`~accumlab.hf.report.TrainerAuditReport`: ``ok``, ``mistakes``, ``scale``,
-    ``relative_error``, ``fix`` and a readable ``str()``.
+    ``relative_error``, ``fix``, ``logged`` and a readable ``str()``.
 
     Afterwards the trainer, model, optimizer, scheduler, RNG states (Python, NumPy, torch)
     and data position are as before the call, so it can run at the top of a training
@@ -192,9 +260,9 @@ def audit_trainer(
     parameter beside the model.
 
     Raises ``TypeError``/``ValueError`` for a non-Trainer, a wrong ``objective``, ``steps`` < 1, no
-    ``train_dataset`` or ``max_steps=0``; a job it cannot measure (meta or frozen model,
-    iterable dataset, DeepSpeed, FSDP, DataParallel) gets a report that says
-    "not checked" and why, never ``ok``.
+    ``train_dataset`` or ``max_steps=0``. Anything else it cannot measure (a meta or frozen
+    model, an iterable dataset, DeepSpeed, FSDP, DataParallel, an error while running the
+    job's own steps) gets a report that says "not checked" and why, never ``ok``.
     """
     _check_arguments(trainer, steps, objective)
     reason = _not_checked_reason(trainer)
@@ -203,12 +271,16 @@ def audit_trainer(
     asked = steps
     if trainer.args.max_steps > 0:  # the run itself takes no more updates than this
         steps = min(steps, trainer.args.max_steps)
-    with preserved_trainer(trainer):
-        windows = run_windows(trainer, steps)
-        report = diagnose(windows, trainer, objective=objective)
-        if report.unknown_objective:
-            report = invariance_report(trainer, windows, report)
-        del windows
+    try:
+        with preserved_trainer(trainer):
+            windows = run_windows(trainer, steps)
+            report = measured_report(trainer, windows, objective)
+            del windows
+    except Exception as err:  # noqa: BLE001 - a report, never an error out of the audit
+        return TrainerAuditReport.unchecked(
+            f"the audit could not run {type(trainer).__name__}'s training step: "
+            f"{type(err).__name__}: {err}"
+        )
     for note in (_version_note(), _checkpointing_note(trainer)):
         if note is not None:
             report.notes.append(note)
@@ -219,4 +291,4 @@ def audit_trainer(
     return report
 
 
-__all__ = ["TESTED_TRANSFORMERS", "audit_trainer", "run_windows"]
+__all__ = ["TESTED_TRANSFORMERS", "audit_trainer", "measured_report", "run_windows"]

@@ -3,22 +3,30 @@
 ``Trainer(..., callbacks=[AuditCallback()])`` audits the first ``steps`` optimizer steps
 of each ``trainer.train()`` call. For each, a :class:`~accumlab.hf.capture.TrainerCapture`
 records the microbatches the Trainer trains on (inputs, ``num_items_in_batch``, random
-state) and the gradient after the window's last backward pass and the data-parallel
-sync, before clipping; then, at ``on_pre_optimizer_step`` (before ``optimizer.step()``),
-:func:`~accumlab.hf.diagnose.diagnose` compares it with the reference, the same examples
-as one batch under the objective the job means, and names what differs. With
-``on_mistake="raise"`` a wrong gradient stops the run right there, before the update is
-applied; with ``"warn"`` the report is a warning and the run goes on.
+state, what each step returned; for a trainer that generates, the generated buffer) and
+the gradient after the window's last backward pass and the data-parallel sync, before
+clipping; then, at ``on_pre_optimizer_step`` (before ``optimizer.step()``),
+:func:`accumlab.hf.audit.measured_report` compares it with the reference (the same
+examples as one batch under the objective the job means) or, for a loss the audit does
+not know, with the same examples at other splits, names what differs and checks the
+numbers the Trainer logs. With ``on_mistake="raise"`` a wrong gradient stops the run
+right there, before the update is applied; with ``"warn"`` the report is a warning and
+the run goes on.
+
+**It never breaks the run.** The only exception it raises into ``trainer.train()`` is
+:class:`AccumulationError`, when asked to (``on_mistake="raise"``) and the update is
+found wrong. Any failure of its own (a job it cannot follow, an error while measuring)
+becomes a report that says "not checked" and why, warned like any other; the Trainer's
+own steps run as without it, and the weights are bit for bit those of a run without it.
 
 Costs: an audited update runs one extra forward and backward pass over its examples (the
-reference; a second one only when the gradient is wrong and its weighting is to be named),
-or, for a loss the audit does not know, the same examples at two finer splits; it keeps a
-copy of the window's inputs and holds the window's own ``.grad`` tensors while one more
-gradient is accumulated beside them. Once the audited updates are done the recorder is removed: ``training_step`` and
-``clip_grad_norm_`` are the Trainer's own again, and the run continues exactly as it
-would have without the callback (the reference replays each microbatch's random state,
-so dropout draws the same masks, and the gradients, buffers, modes and random states
-are put back as they were).
+reference; a second one only when the gradient is wrong and its weighting is to be
+named), or, for a loss the audit does not know, the same examples at two other splits;
+it keeps a copy of the window's inputs and holds the window's own ``.grad`` tensors
+while one more gradient is accumulated beside them. Once the audited updates are done
+the wrappers are removed and the run continues exactly as it would have without the
+callback (the reference replays each microbatch's random state, so dropout draws the
+same masks, and the gradients, buffers, modes and random states are put back).
 
 A ``TrainerCallback`` is handed the model, optimizer and scheduler but not the trainer,
 whose ``training_step`` and accelerator the recorder wraps: the callback finds the
@@ -27,6 +35,7 @@ trainer as the ``self`` of ``train()``'s frame on the call stack of ``on_train_b
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from typing import Literal
@@ -35,7 +44,6 @@ from transformers import Trainer, TrainerCallback
 
 from ..objectives import Objective
 from .capture import TrainerCapture
-from .diagnose import diagnose
 from .report import TrainerAuditReport
 
 ON_MISTAKE = ("warn", "raise")
@@ -102,13 +110,17 @@ class AuditCallback(TrainerCallback):
         self._stop()  # a previous train() that ended in an exception
         self._trainer = _calling_trainer()
         self.reports = []
-        reason = _unmeasurable(self._trainer)
+        try:
+            reason = _unmeasurable(self._trainer)
+            if reason is None:
+                self._left = self.steps
+                self._recorder = TrainerCapture()
+                self._recorder.install(self._trainer)  # removed by _stop()
+        except Exception as err:  # noqa: BLE001 - the run goes on whatever the audit meets
+            reason = _failed("start", err)
+            self._stop()
         if reason is not None:
             self._judge(TrainerAuditReport.unchecked(reason))
-            return
-        self._left = self.steps
-        self._recorder = TrainerCapture()
-        self._recorder.install(self._trainer)  # removed by _stop()
 
     def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if self._recorder is not None:
@@ -118,22 +130,14 @@ class AuditCallback(TrainerCallback):
         recorder, trainer = self._recorder, self._trainer
         if recorder is None or trainer is None:
             return
-        recorder.close_window(trainer.model)  # a no-op when clipping already closed it
-        windows, recorder.windows = recorder.windows, []
         self._left -= 1
-        if self._left == 0:
-            self._stop()
         try:
-            report = diagnose(windows, trainer, objective=self.objective)
-            if report.unknown_objective:  # split invariance, on the run's own window
-                from .audit import invariance_report
-                from .state import preserved_trainer
-
-                with preserved_trainer(trainer):
-                    report = invariance_report(trainer, windows, report)
-        except BaseException:
-            self._stop()  # the error leaves train(): take the wrappers out with it
-            raise
+            report = self._audit(recorder, trainer)
+        except Exception as err:  # noqa: BLE001 - never break the run: the report says why
+            report = TrainerAuditReport.unchecked(_failed("measure this update", err))
+        finally:
+            if self._left <= 0:
+                self._stop()
         self._judge(report)
 
     def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
@@ -141,20 +145,41 @@ class AuditCallback(TrainerCallback):
 
     # -- helpers ---------------------------------------------------------------------------
 
+    def _audit(self, recorder: TrainerCapture, trainer: Trainer) -> TrainerAuditReport:
+        """The report of the window that just ended (the weights are still its own)."""
+        recorder.close_window(trainer.model)  # a no-op when clipping already closed it
+        windows, recorder.windows = recorder.windows, []
+        if recorder.broken:
+            return TrainerAuditReport.unchecked(
+                f"the audit could not follow this run: {recorder.broken}"
+            )
+        from .audit import measured_report
+
+        return measured_report(trainer, windows, self.objective)
+
     def _judge(self, report: TrainerAuditReport) -> None:
         self.reports.append(report)
-        if report.ok:
-            return
-        if report.checked and self.on_mistake == "raise":
+        if report.checked and not report.ok and self.on_mistake == "raise":
             self._stop()
             raise AccumulationError(report)
+        if report.ok and report.logged_ok:
+            return
         # stacklevel: the warning points at the Trainer's loop rather than this file
         warnings.warn(str(report), AccumulationWarning, stacklevel=4)
 
     def _stop(self) -> None:
-        if self._recorder is not None:
-            self._recorder.remove()
-            self._recorder = None
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            with contextlib.suppress(Exception):
+                recorder.remove()
+
+
+def _failed(what: str, err: BaseException) -> str:
+    """The "not checked" reason for an error of the audit's own."""
+    return (
+        f"the audit could not {what}: {type(err).__name__}: {err} (the run goes on as "
+        "without the audit; please report this job)"
+    )
 
 
 def _calling_trainer() -> Trainer:

@@ -1,19 +1,29 @@
 """Record what a Hugging Face ``Trainer`` trains on and the gradient it would apply.
 
 A :class:`TrainerCapture` is the audit's eye inside the Trainer's own training path. It
-differs from the course's ``accumlab_course.plots.WindowRecorder`` (which draws the
-timeline of a window loop a lesson writes) and from the loop audit's watch: it captures
-the microbatches a ``Trainer`` hands its own ``training_step``, on the job's real data. Its internal API (used by :func:`accumlab.hf.audit_trainer` and by a Trainer callback):
+differs from the course's ``accumlab_course.plots.TimelineRecorder`` (which draws the
+timeline of a window loop a lesson writes) and from the loop audit's
+``accumlab.loop_audit.trace.UpdateTrace``: it captures the microbatches a ``Trainer``
+hands its own ``training_step``, on the job's real data. Its internal API (used by
+:func:`accumlab.hf.audit_trainer` and by :class:`accumlab.hf.AuditCallback`):
 
 - ``recorder.install(trainer)`` wraps ``trainer.training_step`` (on the instance, so a
   subclass's override still runs) to record each microbatch the Trainer trains on: the
-  ``inputs`` mapping as handed to ``training_step`` (tensors cloned, before the Trainer
-  moves them to its device), ``num_items_in_batch`` as the Trainer computed it, and the
-  torch RNG state at entry and at exit (equal when the step drew no random number: no
-  dropout; otherwise the reference replays the entry state, so dropout draws the same
-  masks). It also wraps ``trainer.accelerator.clip_grad_norm_`` so the window's gradient
-  is taken *before* clipping. ``recorder.remove()`` undoes both; ``install`` is also a
-  context manager (``with recorder.install(trainer): ...``).
+  ``inputs`` as handed to ``training_step`` (tensors cloned, before the Trainer moves
+  them to its device; a list of dataset rows for a trainer that generates), what
+  ``training_step`` returned (the number the Trainer adds to its logged ``loss``),
+  ``num_items_in_batch`` as the Trainer computed it, and the torch RNG state at entry and
+  at exit (equal when the step drew no random number: no dropout; otherwise the reference
+  replays the entry state, so dropout draws the same masks). For a trainer that
+  generates inside ``training_step`` (its ``_prepare_inputs`` turns dataset rows into
+  completions, masks and advantages: TRL's GRPO and RLOO) it also records what
+  ``_prepare_inputs`` returned, the frozen buffer a replay trains on, and the RNG state
+  after it. It wraps ``trainer.accelerator.clip_grad_norm_`` so the window's gradient is
+  taken *before* clipping, and notes the gradient norm the Trainer logs (the clip's
+  return, or ``_get_grad_norm``'s where the release has it). ``recorder.remove()`` undoes
+  every wrapper; ``install`` is also a context manager (``with recorder.install(trainer):
+  ...``). A wrapper never raises into the Trainer: a recording that fails marks the
+  capture ``broken`` (with the reason) and the Trainer's own step runs as without it.
 - ``recorder.open_window()`` starts a window; microbatches recorded while a window is open
   belong to it (outside a window they are ignored).
 - ``recorder.close_window(model)`` snapshots the gradient now in ``model``'s trainable
@@ -52,7 +62,11 @@ class RngState:
 
     @classmethod
     def now(cls) -> RngState:
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        cuda = (
+            torch.cuda.get_rng_state_all()
+            if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else []
+        )
         return cls(torch.get_rng_state(), cuda)
 
     def restore(self) -> None:
@@ -61,18 +75,32 @@ class RngState:
             torch.cuda.set_rng_state_all(self.cuda)
 
     def same_as(self, other: RngState) -> bool:
-        return torch.equal(self.cpu, other.cpu) and len(self.cuda) == len(other.cuda) and all(
-            torch.equal(a, b) for a, b in zip(self.cuda, other.cuda, strict=True))
+        return (
+            torch.equal(self.cpu, other.cpu)
+            and len(self.cuda) == len(other.cuda)
+            and all(torch.equal(a, b) for a, b in zip(self.cuda, other.cuda, strict=True))
+        )
 
 
 @dataclass
 class Microbatch:
-    """One ``training_step`` call: its inputs, the Trainer's count, the RNG state at entry."""
+    """One ``training_step`` call: its inputs, the Trainer's count, the RNG state at entry.
 
-    inputs: dict[str, Any]
+    ``random``: the loss drew random numbers (dropout): the RNG state moved between the
+    start of the loss and the step's exit. ``returned``: what ``training_step`` returned,
+    the number the Trainer adds to its logged ``loss`` (None until the step returned).
+    ``prepared``: for a trainer that generates inside ``training_step``, the microbatch
+    its ``_prepare_inputs`` returned (completions, masks, advantages, old
+    log-probabilities, tensors cloned), and ``loss_rng`` the RNG state right after it.
+    """
+
+    inputs: Any
     num_items_in_batch: Tensor | int | None
     rng: RngState
-    random: bool = False  # the step drew random numbers (dropout): its exit state differed
+    random: bool = False
+    returned: float | None = None
+    prepared: dict[str, Any] | None = None
+    loss_rng: RngState | None = None
 
 
 @dataclass
@@ -85,11 +113,14 @@ class CapturedWindow:
     gradient is gathered into its full tensor); None until closed. The gradient the window
     computed is ``factor`` times them: ``1 / loss scale`` under an enabled GradScaler, and
     ``1 / clip coefficient`` when the Trainer clipped them in place after the snapshot.
+    ``grad_norm``: the gradient norm the Trainer computed for its log (None when it
+    computed none, or before it did).
     """
 
     microbatches: list[Microbatch] = field(default_factory=list)
     gradient: list[Tensor | None] | None = None
     factor: float = 1.0
+    grad_norm: float | None = None
 
 
 def unwrapped_model(trainer: Any) -> nn.Module:
@@ -115,14 +146,13 @@ def held_gradient(model: nn.Module) -> list[Tensor | None]:
     return grads
 
 
-def unclip_factor(total_norm: Any, max_norm: Any) -> float:
-    """``1 / coefficient`` of ``torch.nn.utils.clip_grad_norm_`` (``max_norm / (norm +
-    1e-6)``, at most 1): what undoes the clip it just applied."""
-    total = float(total_norm)
-    if max_norm is None or not (total == total) or total in (float("inf"), 0.0):
-        return 1.0
-    coefficient = min(1.0, float(max_norm) / (total + 1e-6))
-    return 1.0 / coefficient if coefficient > 0 else 1.0
+def gradient_norm(gradient: list[Tensor | None]) -> float:
+    """The 2-norm of a gradient held as tensors (float64 accumulation)."""
+    total = 0.0
+    for g in gradient:
+        if g is not None:
+            total += float(g.detach().double().pow(2).sum())
+    return total**0.5
 
 
 def clone_inputs(inputs: Any) -> Any:
@@ -136,12 +166,24 @@ def clone_inputs(inputs: Any) -> Any:
     return inputs
 
 
+def _number(value: Any) -> float | None:
+    """A returned loss as a float (None for anything that is not one number)."""
+    try:
+        return float(value.detach().float().mean()) if isinstance(value, Tensor) else float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
 class TrainerCapture:
     """Captures a Trainer's microbatches and pre-clip gradients (see the module docstring)."""
 
     def __init__(self) -> None:
         self.windows: list[CapturedWindow] = []
+        self.broken = ""  # why a recording failed; the capture then records nothing more
         self._open: CapturedWindow | None = None
+        self._closed: CapturedWindow | None = (
+            None  # the last window closed, until its norm is noted
+        )
         self._model: nn.Module | None = None
         self._scaler: Any = None
         self._undo: list[tuple[object, str, bool, Any]] = []
@@ -150,7 +192,8 @@ class TrainerCapture:
 
     def open_window(self) -> None:
         """Start a window: microbatches recorded from now on belong to it."""
-        self._open = CapturedWindow()
+        self._open = None if self.broken else CapturedWindow()
+        self._closed = None
 
     @property
     def window_open(self) -> bool:
@@ -171,25 +214,56 @@ class TrainerCapture:
             # here (the Trainer unscales inside the clip this snapshot comes before).
             window.factor = 1.0 / float(self._scaler.get_scale())
         self.windows.append(window)
+        self._closed = window
         return window
 
-    def record(self, inputs: Mapping[str, Any], num_items_in_batch: Tensor | int | None) -> None:
+    def record(self, inputs: Any, num_items_in_batch: Tensor | int | None) -> None:
         """Record one microbatch into the open window (ignored when none is open)."""
         if self._open is None:
             return
-        nib = num_items_in_batch.detach().clone() if isinstance(num_items_in_batch, Tensor) else num_items_in_batch
-        self._open.microbatches.append(Microbatch(clone_inputs(dict(inputs)), nib, RngState.now()))
+        nib = num_items_in_batch
+        if isinstance(nib, Tensor):
+            nib = nib.detach().clone()
+        self._open.microbatches.append(Microbatch(clone_inputs(inputs), nib, RngState.now()))
 
-    def step_done(self) -> None:
-        """Note whether the last recorded step drew random numbers (its RNG moved)."""
+    def prepared(self, batch: Any) -> None:
+        """Note what the last recorded step's ``_prepare_inputs`` returned (a trainer
+        that generates): the frozen microbatch, and the RNG state its loss starts from."""
+        if self._open is not None and self._open.microbatches and isinstance(batch, Mapping):
+            last = self._open.microbatches[-1]
+            last.prepared = clone_inputs(dict(batch))
+            last.loss_rng = RngState.now()
+
+    def step_done(self, returned: Any) -> None:
+        """Note what the last recorded step returned, and whether its loss drew random
+        numbers (the RNG moved since the loss started)."""
         if self._open is not None and self._open.microbatches:
             last = self._open.microbatches[-1]
-            last.random = last.random or not last.rng.same_as(RngState.now())
+            start = last.loss_rng or last.rng
+            last.random = last.random or not start.same_as(RngState.now())
+            last.returned = _number(returned)
+
+    def note_grad_norm(self, norm: Any) -> None:
+        """The gradient norm the Trainer computed for the window just closed."""
+        if self._closed is not None and self._closed.grad_norm is None:
+            self._closed.grad_norm = _number(norm)
+
+    def _guarded(self, what: str, action: Any, *args: Any) -> None:
+        """Run a recording step; a failure marks the capture broken instead of raising
+        into the Trainer."""
+        if self.broken:
+            return
+        try:
+            action(*args)
+        except Exception as err:  # noqa: BLE001 - the run must go on whatever the audit meets
+            self.broken = f"recording {what} failed: {type(err).__name__}: {err}"
+            self._open = None
 
     # -- hooks into a Trainer ----------------------------------------------------------
 
     def install(self, trainer: Any) -> contextlib.AbstractContextManager[TrainerCapture]:
-        """Wrap ``trainer.training_step`` and ``trainer.accelerator.clip_grad_norm_``.
+        """Wrap ``trainer.training_step``, ``_prepare_inputs`` (for a trainer that
+        generates), ``accelerator.clip_grad_norm_`` and ``_get_grad_norm``.
 
         Returns a context manager that calls :meth:`remove` on exit; calling ``install``
         without ``with`` leaves the wrappers until ``remove()``.
@@ -199,27 +273,62 @@ class TrainerCapture:
         self._model = trainer.model
         step = trainer.training_step
 
-        def training_step(model: nn.Module, inputs: Any, num_items_in_batch: Any = None, *a: Any, **k: Any) -> Any:
-            self.record(inputs, num_items_in_batch)
+        def training_step(
+            model: nn.Module, inputs: Any, num_items_in_batch: Any = None, *a: Any, **k: Any
+        ) -> Any:
+            self._guarded("a microbatch", self.record, inputs, num_items_in_batch)
+            returned = None
             try:
-                return step(model, inputs, num_items_in_batch, *a, **k)
+                returned = step(model, inputs, num_items_in_batch, *a, **k)
+                return returned
             finally:
-                self.step_done()
+                self._guarded("a step's loss", self.step_done, returned)
 
         self._patch(trainer, "training_step", training_step)
+        prepare = getattr(trainer, "_prepare_inputs", None)
+        if callable(prepare):
+
+            def _prepare_inputs(inputs: Any, *a: Any, **k: Any) -> Any:
+                batch = prepare(inputs, *a, **k)
+                if not isinstance(inputs, Mapping):  # dataset rows in, a generated batch out
+                    self._guarded("a generated microbatch", self.prepared, batch)
+                return batch
+
+            self._patch(trainer, "_prepare_inputs", _prepare_inputs)
         accelerator = getattr(trainer, "accelerator", None)
         self._scaler = getattr(accelerator, "scaler", None)
         if accelerator is not None and hasattr(accelerator, "clip_grad_norm_"):
             clip = accelerator.clip_grad_norm_
 
             def clip_grad_norm_(*a: Any, **k: Any) -> Any:
-                window = self.close_window() if self._open is not None else None
+                window, before = None, 0.0
+                if self._open is not None:
+                    try:
+                        window = self.close_window()
+                        before = gradient_norm(window.gradient or [])
+                    except Exception as err:  # noqa: BLE001 - never raise into the Trainer
+                        self.broken = f"closing the window failed: {type(err).__name__}: {err}"
                 total = clip(*a, **k)
-                if window is not None:  # unscaled and clipped in place, in the tensors held
-                    window.factor = unclip_factor(total, k.get("max_norm", a[1] if len(a) > 1 else None))
+                if window is not None and before > 0:
+                    # unscaled and clipped in place, in the tensors held: what undoes both
+                    # is the ratio of their norms, whatever the clip did
+                    after = gradient_norm(window.gradient or [])
+                    if after > 0:
+                        window.factor *= before / after
+                if not hasattr(trainer, "_get_grad_norm"):  # older releases log the clip's total
+                    self._guarded("the gradient norm", self.note_grad_norm, total)
                 return total
 
             self._patch(accelerator, "clip_grad_norm_", clip_grad_norm_)
+        norm = getattr(trainer, "_get_grad_norm", None)
+        if callable(norm):
+
+            def _get_grad_norm(*a: Any, **k: Any) -> Any:
+                value = norm(*a, **k)
+                self._guarded("the gradient norm", self.note_grad_norm, value)
+                return value
+
+            self._patch(trainer, "_get_grad_norm", _get_grad_norm)
         return self._installed()
 
     @contextlib.contextmanager
@@ -252,7 +361,7 @@ __all__ = [
     "TrainerCapture",
     "clone_inputs",
     "held_gradient",
-    "unclip_factor",
+    "gradient_norm",
     "trainable_parameters",
     "unwrapped_model",
 ]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..objectives import ExampleLoss, Objective
-from .capture import CapturedWindow, unwrapped_model
+from .capture import CapturedWindow, trainable_parameters, unwrapped_model
 from .fixes import fix_for, has_code
 from .objectives import Intended, TokenLoss, intended_objective
 from .reference import measure_window, user_intended
@@ -42,6 +42,12 @@ FP32_TOLERANCE = 1e-4
 #: integers: a divisor off by even one target in the window is still named (the fitted
 #: divisor's nearest candidate, see :func:`accumlab.hf.verdict.name_causes`).
 MIXED_TOLERANCE = 3e-2
+#: How far an example's logits in a packed row may differ from its logits alone (relative)
+#: before the attention is said to reach its neighbours: float32 rounding gives about 1e-7;
+#: under bf16/fp16 (Accelerate's autocast on the forward, or half weights) rounding alone
+#: gives about 1e-3 (1.4e-3 measured on TRL's padding-free SFT of a tiny GPT-2).
+LEAK_FP32 = 1e-3
+LEAK_MIXED = 3e-2
 
 
 def tolerances(trainer: Any) -> tuple[float, float]:
@@ -56,13 +62,18 @@ def mixed_precision(trainer: Any) -> bool:
     args = getattr(trainer, "args", None)
     if getattr(args, "bf16", False) or getattr(args, "fp16", False):
         return True
-    return any(p.dtype in (torch.float16, torch.bfloat16) for p in trainer.model.parameters() if p.requires_grad)
+    return any(
+        p.dtype in (torch.float16, torch.bfloat16)
+        for p in trainer.model.parameters()
+        if p.requires_grad
+    )
 
 
 def autocast_context(trainer: Any) -> Any:
     """The job's autocast, as its ``compute_loss`` runs under it (a no-op in fp32)."""
     make = getattr(trainer, "compute_loss_context_manager", None) or getattr(
-        trainer, "autocast_smart_context_manager", None)
+        trainer, "autocast_smart_context_manager", None
+    )
     return make if callable(make) else contextlib.nullcontext
 
 
@@ -78,12 +89,16 @@ def own_loss(trainer: Any, model: torch.nn.Module) -> str | None:
         config = getattr(m, "config", None)
         coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
         if getattr(config, "output_router_logits", False) and coef > 0:
-            return (f"{type(m).__name__} adds a router balance loss (router_aux_loss_coef {coef:g}) "
-                    "to its cross-entropy")
+            return (
+                f"{type(m).__name__} adds a router balance loss (router_aux_loss_coef {coef:g}) "
+                "to its cross-entropy"
+            )
     return None
 
 
-def intended_for(trainer: Any, model: torch.nn.Module, batch: Any, objective: Objective | None) -> Intended:
+def intended_for(
+    trainer: Any, model: torch.nn.Module, batch: Any, objective: Objective | None
+) -> Intended:
     """The objective the job means: the caller's, or the one its model and labels imply
     (with the Trainer's label smoothing); unknown when the loss is the job's own."""
     if objective is not None:
@@ -106,6 +121,54 @@ def objective_kind(intended: Intended) -> str:
     return "custom"
 
 
+def nonfinite(trainer: Any, windows: Sequence[CapturedWindow]) -> str | None:
+    """Why the windows cannot be compared because a weight or a gradient is NaN or
+    infinite (a plain message: no normalization explains it), or None."""
+    model = unwrapped_model(trainer)
+    bad = [name for name, p in trainable_parameters(model) if not bool(torch.isfinite(p).all())]
+    if bad:
+        return (
+            f"the model's weights hold NaN or inf ({len(bad)} tensors, first {bad[0]}): every "
+            "gradient is undefined; load or train finite weights first, then check the accumulation"
+        )
+    for w in windows:
+        if any(g is not None and not bool(torch.isfinite(g).all()) for g in w.gradient or []):
+            if any(_zero(mb.num_items_in_batch) for mb in w.microbatches):
+                return (
+                    "the audited window has no target (the Trainer's num_items_in_batch is 0), so "
+                    "its loss divides 0 by 0 and the gradient is NaN: audit a window that has "
+                    "targets"
+                )
+            return (
+                "the window's gradient holds NaN or inf with finite weights (an overflow, or a "
+                "loss "
+                "divided by a count of zero): fix that first; the accumulation was not compared"
+            )
+    return None
+
+
+def _zero(count: Any) -> bool:
+    try:
+        return (
+            count is not None
+            and float(count.float().sum() if isinstance(count, torch.Tensor) else count) == 0
+        )
+    except (TypeError, ValueError):
+        return False
+
+
+def no_targets(measures: Sequence[Any], kind: str) -> str:
+    """The plain message for windows without a single target."""
+    what = {
+        "masked": "no token was masked (every label is -100): the MLM collator masked none",
+        "causal": "every label is -100 after the shift",
+    }.get(kind, "every label is -100")
+    return (
+        f"the audited window has no target ({what}), so every normalization gives the same zero "
+        "gradient: audit a window that has targets"
+    )
+
+
 def diagnose(
     windows: Sequence[CapturedWindow], trainer: Any, *, objective: Objective | None = None
 ) -> TrainerAuditReport:
@@ -113,20 +176,35 @@ def diagnose(
     windows = [w for w in windows if w.microbatches]
     if not windows:
         return TrainerAuditReport.unchecked("no microbatch was trained in the audited windows")
+    reason = nonfinite(trainer, windows)
+    if reason is not None:
+        return TrainerAuditReport.unchecked(reason)
     model = unwrapped_model(trainer)
     intended = intended_for(trainer, model, windows[0].microbatches[0].inputs, objective)
     if intended.objective is None:
         return TrainerAuditReport.unchecked(intended.described, unknown_objective=True)
     described = intended.described
-    device = getattr(getattr(trainer, "args", None), "device", None) or next(model.parameters()).device
+    device = (
+        getattr(getattr(trainer, "args", None), "device", None) or next(model.parameters()).device
+    )
     ok_tol, match = tolerances(trainer)
     try:
         with preserved_model(model):
-            measures = [measure_window(model, w, intended, device, autocast_context(trainer)) for w in windows]
-    except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as err:
-        return TrainerAuditReport.unchecked(
-            f"the reference forward pass of {type(model).__name__} failed: {err}"
+            leak = LEAK_MIXED if mixed_precision(trainer) else LEAK_FP32
+            measures = [
+                measure_window(model, w, intended, device, autocast_context(trainer), leak)
+                for w in windows
+            ]
+    except (TypeError, ValueError, KeyError, IndexError, RuntimeError, AttributeError) as err:
+        return TrainerAuditReport.unchecked(  # split invariance needs no reference: it takes over
+            f"the reference (each example alone through {type(model).__name__}) cannot run on this "
+            f"job ({type(err).__name__}: {err})",
+            unknown_objective=True,
         )
+    if all(m.targets == 0 for m in measures):
+        return TrainerAuditReport.unchecked(no_targets(measures, intended.kind))
+    empty = sum(m.targets == 0 for m in measures)
+    measures = [m for m in measures if m.targets]
     mistakes: list[str] = []
     evidence: dict[str, str] = {}
     for m in measures:
@@ -139,14 +217,16 @@ def diagnose(
     if mistakes == ["not_token_mean"]:  # the loss is not the audited one: check the property
         return TrainerAuditReport.unchecked(
             f"the gradient is no weighting of the {described} (scale {worst.scale:.4f}, relative "
-            f"error {worst.relative_error:.1e}): the loss is the job's own", unknown_objective=True)
+            f"error {worst.relative_error:.1e}): the loss is the job's own",
+            unknown_objective=True,
+        )
     fix = fix_for(mistakes, trainer, model, objective_kind(intended), measures[0].ranks)
     notes = []
     if ok:
         for note in blind_spots(measures[0], ok_tol):
             notes.append(note)
-    if any(m.targets == 0 for m in measures):
-        notes.append("a window had no target at all: its reference is zero")
+    if empty:
+        notes.append(f"{empty} audited window(s) had no target at all: left out")
     if any(m.replayed for m in measures):
         notes.append(
             "the job's steps draw random numbers (dropout): the reference replays its collated "
@@ -174,4 +254,12 @@ def diagnose(
     )
 
 
-__all__ = ["FP32_TOLERANCE", "MIXED_TOLERANCE", "diagnose", "own_loss", "tolerances"]
+__all__ = [
+    "FP32_TOLERANCE",
+    "MIXED_TOLERANCE",
+    "diagnose",
+    "no_targets",
+    "nonfinite",
+    "own_loss",
+    "tolerances",
+]

@@ -45,7 +45,7 @@ def token_mean_loss(outputs, labels, num_items_in_batch=None):
 trainer.compute_loss_func = token_mean_loss
 '''
 
-_DECODER_INPUTS = '''# compute_loss_func takes the labels away from the model's inputs: the decoder
+_DECODER_INPUTS = """# compute_loss_func takes the labels away from the model's inputs: the decoder
 # gets its inputs from the collator instead, made from the labels as the model would.
 _collate_labels = trainer.data_collator
 
@@ -57,7 +57,7 @@ def collate_with_decoder_inputs(features):
     return batch
 
 trainer.data_collator = collate_with_decoder_inputs
-'''
+"""
 
 _EXAMPLE_MEAN = '''import torch.nn.functional as F
 
@@ -71,29 +71,30 @@ def example_mean_loss(outputs, labels, num_items_in_batch=None):
 trainer.compute_loss_func = example_mean_loss
 '''
 
-_OWN_COUNT = '''import types
+_OWN_COUNT = """import types
 
 # This release passes compute_loss_func no count for this model:
-# count the window's targets here (after the shift for a causal LM).
+# count the window's targets here (after the shift for a causal LM,
+# one per labelled example for a classifier).
 _get_batch_samples = trainer.get_batch_samples
 
 def get_batch_samples_counted(self, epoch_iterator, num_batches, *device):
     batches, _ = _get_batch_samples(epoch_iterator, num_batches, *device)
-    count = sum(int((b["labels"][:, SHIFT] != -100).sum()) for b in batches)
+    count = sum(int((LABELS != -100).sum()) for b in batches)
     return batches, count
 
 trainer.get_batch_samples = types.MethodType(get_batch_samples_counted, trainer)
-'''
+"""
 
-_CUSTOM_MEAN = '''# `objective` is the Objective you passed to audit_trainer: sum its losses over
+_CUSTOM_MEAN = """# `objective` is the Objective you passed to audit_trainer: sum its losses over
 # each microbatch and divide once by the window's count.
 def objective_mean_loss(outputs, labels, num_items_in_batch=None):
     return objective.loss_sum(outputs, {"labels": labels}) / num_items_in_batch
 
 trainer.compute_loss_func = objective_mean_loss
-'''
+"""
 
-_MASK_FIRST_LABEL = '''# Position 0 of a causal LM's labels is never a target: mask it, so the
+_MASK_FIRST_LABEL = """# Position 0 of a causal LM's labels is never a target: mask it, so the
 # Trainer's num_items_in_batch (counted over the labels) is the number of
 # targets the loss scores.
 _collate = trainer.data_collator
@@ -105,32 +106,33 @@ def collate_masking_first_label(features):
     return batch
 
 trainer.data_collator = collate_masking_first_label
-'''
+"""
 
-_GLOBAL_COUNT = '''args.average_tokens_across_devices = True  # one count over all ranks
-'''
+_GLOBAL_COUNT = """args.average_tokens_across_devices = True  # one count over all ranks
+"""
 
-_DROP_OVERRIDE = '''import types
+_DROP_OVERRIDE = """import types
 from transformers import Trainer
 
 # drop the compute_loss override: the Trainer's own calls compute_loss_func
 trainer.compute_loss = types.MethodType(Trainer.compute_loss, trainer)
-'''
+"""
 
 
-_DROP_COUNT_OVERRIDE = '''import types
+_DROP_COUNT_OVERRIDE = """import types
 from transformers import Trainer
 
 # drop the override of the count: the Trainer's own counts the labels
 trainer.get_batch_samples = types.MethodType(Trainer.get_batch_samples, trainer)
-'''
+"""
 
 
 def _count_overridden(trainer: Any) -> bool:
     from transformers import Trainer
 
     return any(
-        name in vars(trainer) or getattr(type(trainer), name, None) is not getattr(Trainer, name, None)
+        name in vars(trainer)
+        or getattr(type(trainer), name, None) is not getattr(Trainer, name, None)
         for name in ("get_batch_samples", "_get_num_items_in_batch")
     )
 
@@ -168,14 +170,23 @@ def _objective_loss(kind: str, trainer: Any, model: nn.Module) -> str:
     if getattr(trainer, "loss_is_scaled_for_ga", None) is not None:
         parts.append("trainer.loss_is_scaled_for_ga = None  # compute_loss_func divides\n")
     smoothing = float(getattr(trainer.args, "label_smoothing_factor", 0.0) or 0.0)
-    code = {"causal": _TOKEN_MEAN, "unshifted": _UNSHIFTED_MEAN, "example": _EXAMPLE_MEAN}.get(kind, _CUSTOM_MEAN)
+    code = {"causal": _TOKEN_MEAN, "unshifted": _UNSHIFTED_MEAN, "example": _EXAMPLE_MEAN}.get(
+        kind, _CUSTOM_MEAN
+    )
     parts.append(code.replace("SMOOTHING", f", label_smoothing={smoothing:g}" if smoothing else ""))
     if kind == "unshifted" and any(
-        getattr(getattr(m, "config", None), "is_encoder_decoder", False) for m in (model, *model.children())
+        getattr(getattr(m, "config", None), "is_encoder_decoder", False)
+        for m in (model, *model.children())
     ):
         parts.append(_DECODER_INPUTS)
     if not _counts_for_compute_loss_func(trainer):
-        parts.append(_OWN_COUNT.replace("SHIFT", "1:" if kind == "causal" else ":"))
+        # a causal LM's targets are the labels after the shift; any other labels (one per
+        # example, or unshifted tokens) are counted as they stand
+        parts.append(
+            _OWN_COUNT.replace(
+                "LABELS", 'b["labels"][:, 1:]' if kind == "causal" else 'b["labels"]'
+            )
+        )
     elif kind == "causal" and not _counts_shifted(trainer):
         parts.append(_MASK_FIRST_LABEL)
     return "\n".join(parts)
@@ -191,7 +202,8 @@ _base.router_aux_loss_coef = _base.config.router_aux_loss_coef / args.gradient_a
 """
 
 
-_SMOOTHER_UNSHIFTED = """# The Trainer's label smoother scores this model's labels unshifted: it shifts only
+_SMOOTHER_UNSHIFTED = """\
+# The Trainer's label smoother scores this model's labels unshifted: it shifts only
 # for a model whose class it knows as a causal LM, and this wrapper's is not one, so
 # each position is scored against its own token, not the next. Keep the smoothing and
 # score the shifted targets with compute_loss_func (which the Trainer calls instead):
@@ -204,7 +216,10 @@ def smoother_scores_unshifted(trainer: Any, model: nn.Module) -> bool:
     model, or a PEFT model's base), and a user's wrapper around a causal LM is not one."""
     from .objectives import is_causal_lm
 
-    if getattr(trainer, "label_smoother", None) is None or getattr(trainer, "compute_loss_func", None) is not None:
+    if (
+        getattr(trainer, "label_smoother", None) is None
+        or getattr(trainer, "compute_loss_func", None) is not None
+    ):
         return False
     if _compute_loss_overridden(trainer) or not is_causal_lm(model):
         return False
@@ -227,20 +242,50 @@ def invariance_fix(mistakes: list[str], trainer: Any, model: nn.Module, why: str
     parts = []
     if "count_before_shift" in names:
         parts.append(_MASK_FIRST_LABEL)
-    split = names & {"double_division", "num_items_ignored", "depends_on_split"}
+    split = names & {
+        "double_division",
+        "num_items_ignored",
+        "average_of_averages",
+        "depends_on_split",
+        "short_window_divided_by_a",
+        "wrong_normalization",
+    }
     if split and "router balance loss" in why:
         parts.append(_ROUTER)
     elif split:
         lines = ["# The loss is the job's own: keep every term it has and fix how it is normalized"]
         lines.append("# over the window, the same at every split:")
         if "double_division" in names:
-            lines.append("# - it is divided by A once too often: drop the extra / A (the Trainer already")
-            lines.append("#   divides a per-microbatch mean by A, or num_items_in_batch counts the window).")
-        if names & {"num_items_ignored", "depends_on_split"}:
-            lines.append("# - return the SUM of the per-example (or per-token) loss terms divided by the")
-            lines.append("#   window's count, num_items_in_batch (passed to compute_loss), not a mean per")
-            lines.append("#   microbatch; a term that is a statistic of the microbatch (a batch-level KL")
-            lines.append("#   estimate, a router balance loss) has no such form: no fix is known that")
+            lines.append(
+                "# - it is divided by A once too often: drop the extra / A (the Trainer already"
+            )
+            lines.append(
+                "#   divides a per-microbatch mean by A, or num_items_in_batch counts the window)."
+            )
+        if "short_window_divided_by_a" in names:
+            lines.append("# - a short last window still divides by the configured A: divide by the")
+            lines.append(
+                "#   window's own count (num_items_in_batch) or "
+                "current_gradient_accumulation_steps."
+            )
+        if "wrong_normalization" in names:
+            lines.append(
+                "# - it is divided by a count of another window (a generation batch spanning"
+            )
+            lines.append("#   several updates): divide by this window's share of it.")
+        if names & {"num_items_ignored", "average_of_averages", "depends_on_split"}:
+            lines.append(
+                "# - return the SUM of the per-example (or per-token) loss terms divided by the"
+            )
+            lines.append(
+                "#   window's count, num_items_in_batch (passed to compute_loss), not a mean per"
+            )
+            lines.append(
+                "#   microbatch; a term that is a statistic of the microbatch (a batch-level KL"
+            )
+            lines.append(
+                "#   estimate, a router balance loss) has no such form: no fix is known that"
+            )
             lines.append("#   makes it independent of the split.")
         parts.append("\n".join(lines) + "\n")
     return "\n".join(parts)
@@ -294,7 +339,7 @@ def fix_for(mistakes: list[str], trainer: Any, model: nn.Module, kind: str, rank
     return "\n".join(parts)
 
 
-_PAD_RIGHT = '''import torch
+_PAD_RIGHT = """import torch
 
 # With left padding the pad before each row's first token predicts it: move every row's
 # tokens to its start (padding on the right), the same examples, labels and targets.
@@ -310,9 +355,9 @@ def collate_padding_right(features):
     return batch
 
 trainer.data_collator = collate_padding_right
-'''
+"""
 
-_NO_CROSSING = '''import torch
+_NO_CROSSING = """import torch
 
 # Packed rows let each example attend to the ones before it in its row: give every
 # example a row of its own (padded on the right), the same examples and targets.
@@ -338,7 +383,7 @@ def collate_one_example_per_row(features):
     return batch
 
 trainer.data_collator = collate_one_example_per_row
-'''
+"""
 
 
 def _collation_fix(names: set[str]) -> str:

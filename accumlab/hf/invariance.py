@@ -1,345 +1,370 @@
-"""Split invariance: the check for a job whose objective the audit does not know.
+"""Split invariance on the Trainer's own path: the Trainer adapter of the one engine.
 
-A correct window-level objective gives the same gradient for the same examples however
-they are split into microbatches: the loss of a window is a sum over its examples (or
-tokens, or pairs) divided once by the window's count. That property can be checked
-without knowing the objective. :func:`split_invariance` takes the window the job just
-ran, ``A`` microbatches of ``m`` examples, and runs the **same examples** through the
-job's own ``get_batch_samples`` (its ``num_items_in_batch``), ``training_step`` (its
-``compute_loss``, division by the accumulation steps, autocast) on its collated tensors,
-split otherwise, with the arguments set as a job configured for that split would have
-them (``per_device_train_batch_size``, ``gradient_accumulation_steps``):
+The check itself lives in :mod:`accumlab.invariance` (which splits run, the comparison,
+the names from the one table). This adapter gives the engine its ``run(split)``: the
+window the job just ran, its examples (the rows of its microbatches, in order) cut into
+the split's microbatches and run through the job's own steps
+(:func:`accumlab.hf.steps.run_split`: ``get_batch_samples`` and its
+``num_items_in_batch``, ``training_step`` with its ``compute_loss``, division by the
+accumulation steps and autocast), with the arguments a job of that split has. A split's
+microbatch that is one of the window's own microbatches is replayed as collated; rows of
+one microbatch are sliced out; rows of several are joined, right-padded to one width
+(not for left padding or packing kernels' keys: the window is then not joined, and the
+configured split itself is the reference). For a trainer that generates inside
+``training_step`` (online RL) the rows are its frozen generated buffer, never padded, with
+its own normalizers for the split (:mod:`accumlab.hf.generated`). The replay of the
+configured split must give the job's own gradient, or the job is not checked.
 
-- ``(m·A, 1)``, the whole window in one microbatch, where the microbatches can be joined
-  (right-padded to one width; not for left padding or packing kernels' keys) and it fits
-  in memory (an out-of-memory error skips it);
-- one finer split: ``(m/2, 2A)`` when ``m`` is even, else ``(1, m·A)`` (each microbatch's
-  rows cut; a preference batch's chosen and rejected blocks cut alike).
+What the adapter adds to the engine's verdict, for a Trainer job as it is configured:
 
-For each split it reports the factor ``a`` in ``g(m, A) ≈ a · g(split)`` (least squares)
-and the relative error ``‖g(m, A) − g(split)‖ / ‖g(split)‖``. All within the tolerance:
-ok. A factor of ``A_split / A`` with a small residual (the gradient shrinks as ``A``
-grows) is ``double_division``, a factor of about ``A / A_split`` (it grows with ``A``:
-per-microbatch means summed, the ``Trainer`` no longer dividing by ``A``) is
-``num_items_ignored``, anything else ``depends_on_split``.
-
-The count is an integer fact the split cannot show (every split counts the same labels):
-for a causal LM whose Trainer passed a ``num_items_in_batch`` other than the targets after
-the shift, :func:`count_check` runs the configured window once more with the targets as
-the count; a gradient that moves by exactly their ratio divides by the count, and is
-named ``count_before_shift``.
+- only the splits this job runs decide: with ``A`` > 1, the configured split against the
+  whole window as one microbatch (and a short last window when the job's epoch has one),
+  or, where the window cannot run whole, any dependence at all; a job of ``A`` = 1 runs
+  its window as one batch. A dependence at any other split is a note about that split,
+  never a mistake of this run;
+- the engine's ``sum_of_means`` is the Trainer's ``num_items_in_batch`` ignored:
+  ``num_items_ignored``;
+- for a generated buffer whose ``steps_per_generation`` differs from ``A``, a factor of
+  ``A / steps_per_generation`` against the whole window is the generation batch's count
+  used as the window's: ``double_division`` below 1, ``wrong_normalization`` above;
+- the count, an integer fact no split can show (every split counts the same labels): for
+  a causal LM whose Trainer passed a ``num_items_in_batch`` other than the targets after
+  the shift, :func:`count_check` runs the configured window once more with the targets as
+  the count; a gradient that moves by exactly their ratio is ``count_before_shift``;
+- what each split would log (the sum of its steps' returns) and the gradient norms, for
+  :mod:`accumlab.hf.logged`.
 
 It checks the property, not the objective's definition: a loss that is wrong the same
-way at every split (a wrong formula, a wrong constant factor) passes. It needs steps that
-draw no random numbers (dropout changes with the split) and ``m`` of at least 2.
-Memory: the job's gradient held (no copy) and one more gradient in ``.grad``; activations
-of one microbatch at a time, except the ``(m·A, 1)`` split, which runs the window's
-examples in one forward pass; time: one window per split, one more for the count.
+way at every split passes. It needs steps whose loss draws no random numbers (dropout
+changes with the split) and a window of at least 2 examples. Memory: the job's gradient
+held (no copy), the engine's one held copy, one more gradient in ``.grad``; activations of
+one microbatch at a time, except the ``(N, 1)`` split, which runs the window's examples
+in one forward pass (an out-of-memory error skips it).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ..least_squares import least_squares_products
-from .capture import CapturedWindow, held_gradient, unwrapped_model
-from .objectives import IGNORE_INDEX, PACKING_KEYS, is_causal_lm, job_targets
-from .reference import distance, dot
+from ..invariance import (
+    InvarianceReport,
+    NotChecked,
+    Split,
+    SplitMeasure,
+    check_splits,
+    compare,
+    default_splits,
+)
+from ..invariance.names import name_short, name_split, name_structure
+from .capture import CapturedWindow, unwrapped_model
+from .generated import COUNT, buffer_settings, generates, share
+from .objectives import is_causal_lm, job_targets
+from .rows import join_rows, rows_of, slice_rows
+from .steps import Replayed, collated, run_split
 
-
-@dataclass
-class SplitMeasure:
-    """The same examples as ``micro_batch_size`` × ``accumulation_steps``: the configured
-    window's gradient is ``factor`` times this split's, with ``relative_error``."""
-
-    micro_batch_size: int
-    accumulation_steps: int
-    factor: float
-    relative_error: float
-    residual: float = 0.0  # ‖g(m, A) − factor · g(split)‖ / ‖g(m, A)‖: what the factor leaves
+#: The engine's names as the Trainer audit says them.
+RENAME = {"sum_of_means": "num_items_ignored"}
 
 
 @dataclass
 class Invariance:
-    """What :func:`split_invariance` found: the configured split, each other split's
-    measure, the names and their evidence (empty when invariant), what it could not run
-    (``skipped``), or ``reason`` when it could not check at all."""
+    """One window checked by split invariance: the engine's report (every measure, each
+    split's gradient against the reference's), and for this job as configured its
+    ``mistakes`` and their ``evidence``, ``notes`` (a dependence at a split the job does
+    not run), ``reason`` when it could not check, what each split would log (``logged``,
+    by split) and the job's own gradient norm."""
 
-    micro_batch_size: int
-    accumulation_steps: int
-    splits: list[SplitMeasure]
-    mistakes: list[str]
-    evidence: dict[str, str]
+    configured: Split
+    report: InvarianceReport | None = None
+    mistakes: list[str] = field(default_factory=list)
+    evidence: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
     reason: str = ""
-    skipped: list[str] | None = None
+    logged: dict[Split, float] = field(default_factory=dict)
+    gradient_norm: float = math.nan
+
+    @property
+    def splits(self) -> list[SplitMeasure]:
+        """Every measure the engine made, in order."""
+        return list(self.report.measures) if self.report is not None else []
+
+    @property
+    def own(self) -> SplitMeasure | None:
+        """The configured split against the reference (None when it is the reference)."""
+        return self.report.measure(self.configured) if self.report is not None else None
+
+    @property
+    def skipped(self) -> list[str]:
+        return list(self.report.skipped) if self.report is not None else []
+
+    @property
+    def reference(self) -> Split | None:
+        """The split every other was compared with (the first measure's)."""
+        against = [m.against for m in self.splits if isinstance(m.against, Split)]
+        return against[0] if against else None
+
+    @property
+    def examples(self) -> int:
+        return self.configured.examples
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.configured.accumulation_steps
 
 
-def rows_of(batch: dict[str, Any], examples: int | None = None) -> int:
-    """Examples in a collated microbatch: ``examples`` (the configured microbatch size)
-    when every tensor's leading size is a multiple of it (a preference batch stacks its
-    chosen and rejected rows: 2m), else the smallest leading size its tensors have."""
-    sizes = [v.shape[0] for v in batch.values() if isinstance(v, Tensor) and v.dim() >= 1]
-    if not sizes:
-        return 0
-    if examples and all(n % examples == 0 for n in sizes):
-        return examples
-    return min(sizes)
+class _Replay:
+    """The engine's ``run(split)`` for one captured window (see the module docstring)."""
+
+    def __init__(self, trainer: Any, model: Any, window: CapturedWindow, tol: float) -> None:
+        self.trainer, self.model, self.window, self.tol = trainer, model, window, tol
+        self.generated = generates(window)
+        self.batches: list[Mapping[str, Any]] = (
+            [mb.prepared for mb in window.microbatches]
+            if self.generated
+            else collated(window) or []
+        )
+        m = trainer.args.per_device_train_batch_size
+        self.sizes = tuple(rows_of(b, m) for b in self.batches)
+        self.m = max(self.sizes, default=0)
+        self.configured = Split(self.sizes, len(self.sizes)) if all(self.sizes) else None
+        self.pad_id = getattr(getattr(trainer, "processing_class", None), "pad_token_id", None) or 0
+        self.logged: dict[Split, float] = {}
+
+    def _rows(self, first: int, stop: int) -> Mapping[str, Any] | None:
+        """Examples ``first:stop`` of the window as one microbatch (None: cannot join)."""
+        pieces, counts, start = [], [], 0
+        for batch, n in zip(self.batches, self.sizes, strict=True):
+            lo, hi = max(first, start), min(stop, start + n)
+            if lo < hi:
+                whole = (lo, hi) == (start, start + n)
+                pieces.append(batch if whole else slice_rows(batch, lo - start, hi - start, n))
+                counts.append(hi - lo)
+            start += n
+        if len(pieces) == 1:
+            return pieces[0]
+        return join_rows(pieces, counts, self.pad_id, pad=not self.generated)
+
+    def joins(self) -> bool:
+        """Whether the whole window can run as one microbatch."""
+        return len(self.batches) == 1 or self._rows(0, sum(self.sizes)) is not None
+
+    def replayed(self, split: Split) -> Replayed:
+        batches = []
+        for r in split.ranges():
+            rows = self._rows(r.start, r.stop)
+            if rows is None:
+                raise NotChecked(f"the rows of {split.label} cannot be joined into one microbatch")
+            batches.append(dict(rows))
+        settings: dict[str, Any] = {}
+        if self.generated:
+            settings, fraction = buffer_settings(
+                self.trainer, self.m, split.sizes, split.accumulation_steps
+            )
+            if fraction is not None:
+                for b in batches:
+                    if COUNT in b:
+                        b[COUNT] = share(b[COUNT], fraction)
+        return Replayed(
+            max(split.sizes), batches, split.accumulation_steps, settings, self.generated
+        )
+
+    def __call__(self, split: Split) -> list[Tensor | None]:
+        gradient, logged = run_split(self.trainer, self.model, self.window, self.replayed(split))
+        if logged is not None:
+            self.logged[split] = logged
+        if split == self.configured:  # the replay must be the job's own
+            own = [
+                None if g is None else g * self.window.factor for g in self.window.gradient or []
+            ]
+            again = compare(gradient, own)
+            if not again.relative_error <= self.tol:
+                raise NotChecked(
+                    f"replaying the window at its own split {split.label} gives another gradient "
+                    f"than the job's (relative error {again.relative_error:.1e}): its steps "
+                    "depend on "
+                    "something the replay does not repeat"
+                )
+        return gradient
 
 
-def _blocks(v: Tensor, examples: int) -> int:
-    """How many blocks of one row per example ``v`` holds (0: not a per-example tensor)."""
-    return v.shape[0] // examples if v.dim() >= 1 and v.shape[0] % examples == 0 and v.shape[0] >= examples else 0
-
-
-def slice_rows(batch: dict[str, Any], start: int, stop: int, examples: int) -> dict[str, Any]:
-    """Examples ``start:stop`` of a collated microbatch of ``examples`` examples: a tensor
-    whose leading size is ``k · examples`` holds ``k`` blocks of one row per example
-    (chosen rows, then rejected rows), each block sliced alike; anything else is kept."""
-    out: dict[str, Any] = {}
-    for k, v in batch.items():
-        blocks = _blocks(v, examples) if isinstance(v, Tensor) else 0
-        if blocks:
-            parts = [v[j * examples + start : j * examples + stop] for j in range(blocks)]
-            out[k] = torch.cat(parts).clone() if blocks > 1 else parts[0].clone()
-        else:
-            out[k] = v
+def _named(report: InvarianceReport, tol: float) -> dict[Split, tuple[str, str]]:
+    """The name and evidence each split's own comparison gives (the engine's names)."""
+    match = max(10 * tol, 1e-3)
+    out: dict[Split, tuple[str, str]] = {}
+    dependent = []
+    for m in report.measures:
+        if m.kind == "split" and m.relative_error > tol:
+            found = name_split(m, tolerance=tol, match=match)
+            if found:
+                out[m.split] = found
+            else:
+                dependent.append(m)
+        elif m.kind == "structure":
+            difference = next((d for d in dependent if d.split == m.split), None)
+            if difference is not None:
+                out[m.split] = name_structure(m, difference, match=match)
+        elif m.kind == "short":
+            found = name_short(m, tolerance=tol, match=match)
+            if found:
+                out[m.split] = found
+    for m in dependent:  # a structure that ran out of memory
+        out.setdefault(m.split, ("depends_on_split", f"{m.line()} (residual {m.residual:.1e})"))
     return out
 
 
-def _pad_value(key: str, pad_id: int) -> int:
-    if "label" in key:
-        return IGNORE_INDEX
-    if "mask" in key or "position" in key:
-        return 0
-    return pad_id
-
-
-def _left_padded(batch: dict[str, Any]) -> bool:
-    """True when some attention mask has a 0 before a 1 (padding on the left)."""
-    for k, v in batch.items():
-        if "attention_mask" in k and isinstance(v, Tensor) and v.dim() == 2 and v.shape[1] > 1:
-            if bool(((v[:, :-1] == 0) & (v[:, 1:] == 1)).any()):
-                return True
-    return False
-
-
-def join_rows(batches: list[dict[str, Any]], examples: int, pad_id: int = 0) -> dict[str, Any] | None:
-    """The microbatches as one: each per-example tensor's blocks concatenated block by
-    block, right-padded to the widest (labels with -100, masks and positions with 0, ids
-    with ``pad_id``); None when they cannot be joined that way (left padding, packing
-    kernels' keys, keys or non-tensor values that differ)."""
-    first = batches[0]
-    if any(k in first for k in PACKING_KEYS) or any(_left_padded(b) for b in batches):
-        return None
-    if any(b.keys() != first.keys() for b in batches):
-        return None
-    out: dict[str, Any] = {}
-    for key, value in first.items():
-        if not isinstance(value, Tensor):
-            if any(b[key] != value for b in batches):
-                return None
-            out[key] = value
-            continue
-        values = [b[key] for b in batches]
-        blocks = {_blocks(v, examples) for v in values}
-        if len(blocks) != 1 or not blocks.pop():
-            return None
-        k = _blocks(value, examples)
-        if any(v.shape[2:] != value.shape[2:] or v.dim() != value.dim() for v in values):
-            return None
-        width = max(v.shape[1] for v in values) if value.dim() >= 2 else None
-        padded = [v if width is None or v.shape[1] == width else
-                  F.pad(v, (0, 0) * (v.dim() - 2) + (0, width - v.shape[1]), value=_pad_value(key, pad_id))
-                  for v in values]
-        out[key] = torch.cat([v[j * examples:(j + 1) * examples] for j in range(k) for v in padded])
-    return out
-
-
-def other_splits(window: CapturedWindow, examples: int | None, pad_id: int = 0) -> list[tuple[int, list[dict[str, Any]]]]:
-    """``(m', microbatches)`` for ``(m·A, 1)`` when the microbatches join, and the finer
-    ``(m/2, 2A)`` (``m`` even) or ``(1, m·A)``; the finer one is missing for ``m = 1``, all
-    are for microbatches of unequal sizes."""
-    batches = [mb.inputs for mb in window.microbatches]
-    sizes = {rows_of(b, examples) for b in batches}
-    if len(sizes) != 1:
-        return []
-    (m,) = sizes
-    out = []
-    if len(batches) > 1:
-        joined = join_rows(batches, m, pad_id)
-        if joined is not None:
-            out.append((m * len(batches), [joined]))
-    if m > 1:
-        size = m // 2 if m % 2 == 0 else 1
-        out.append((size, [slice_rows(b, s, s + size, m) for b in batches for s in range(0, m, size)]))
-    return out
-
-
-def batch_samples(trainer: Any, iterator: Any, count: int, device: Any) -> tuple[list[Any], Any]:
-    """``trainer.get_batch_samples`` as this release calls it: with ``device`` since 4.48
-    (and in a subclass that takes it), without it in 4.46-4.47. Read off the Trainer's
-    class, not the instance: a wrapper set on the instance (the audit's own count fix
-    takes ``*device``) calls the class's method the way the release does."""
-    import inspect
-
-    params = inspect.signature(type(trainer).get_batch_samples).parameters  # with self
-    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    takes_device = "device" in [p.name for p in positional] or len(positional) >= 4
-    if takes_device:
-        return trainer.get_batch_samples(iterator, count, device)
-    return trainer.get_batch_samples(iterator, count)
-
-
-def train_window(trainer: Any, model: Any, batches: list[Any], num_items: Any) -> None:
-    """The Trainer's own steps for one window: ``training_step`` on each microbatch, the
-    gradient sync on the last only (``accelerator.no_sync`` before it)."""
-    trainer.current_gradient_accumulation_steps = len(batches)
-    for i, inputs in enumerate(batches):
-        last = i == len(batches) - 1
-        trainer.accelerator.gradient_state._set_sync_gradients(last)
-        sync = contextlib.nullcontext() if last else trainer.accelerator.no_sync(model)
-        with sync:
-            trainer.training_step(model, inputs, num_items)
-
-
-def _run_split(trainer: Any, model: Any, window: CapturedWindow, size: int, batches: list[dict[str, Any]],
-               count: Any = None) -> list[Tensor | None]:
-    """The job's gradient for ``batches`` (``size`` examples each), configured as a job of
-    that split would be; ``count`` replaces the Trainer's ``num_items_in_batch``."""
-    model.zero_grad(set_to_none=True)
-    window.microbatches[0].rng.restore()
-    args = trainer.args
-    configured = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
-    args.per_device_train_batch_size, args.gradient_accumulation_steps = size, len(batches)
+def _has_short_window(trainer: Any, accumulation: int) -> bool:
+    """Whether an epoch of this job ends in a window of fewer than ``A`` microbatches."""
     try:
-        samples, num_items = batch_samples(trainer, iter(batches), len(batches), args.device)
-        if count is not None:
-            num_items = torch.as_tensor(count, device=num_items.device) if isinstance(num_items, Tensor) else count
-        train_window(trainer, model, samples, num_items)
-    finally:
-        args.per_device_train_batch_size, args.gradient_accumulation_steps = configured
-    return held_gradient(trainer.model)
-
-
-def _measure(g: Any, f: float, other: list[Tensor | None], size: int, steps: int) -> SplitMeasure:
-    oo = dot(other, other)
-    gg = f * f * dot(g, g)
-    fit = least_squares_products(gg, [f * dot(g, other)], [[oo]])
-    error = distance(g, f, other, 1.0) / math.sqrt(oo) if oo > 0 else math.nan
-    return SplitMeasure(size, steps, fit.coefficients[0] if oo > 0 else math.nan, error, fit.residual)
-
-
-def _named(s: SplitMeasure, ratio: float, tol: float) -> str:
-    """The name for one split; ``ratio`` is A(split) / A(configured). A gradient divided by
-    A once too often is exactly ``ratio`` times the split's; one summed over
-    per-microbatch means without the division by A grows with A: about ``1 / ratio``
-    times (closer to it than to 1, on a log scale: the means of uneven microbatches differ)."""
-    close = max(tol, 1e-3)
-    if s.residual <= close and abs(s.factor / ratio - 1.0) <= close:
-        return "double_division"
-    if s.factor > 0 and abs(math.log(s.factor * ratio)) < 0.5 * abs(math.log(ratio)):
-        return "num_items_ignored"
-    return "depends_on_split"
+        return len(trainer.get_train_dataloader()) % accumulation != 0
+    except (TypeError, ValueError, NotImplementedError):
+        return False
 
 
 def split_invariance(trainer: Any, model: Any, window: CapturedWindow, tol: float) -> Invariance:
-    """Run the window's examples at the other splits (see the module docstring) and
-    compare. Call it inside :func:`accumlab.hf.state.preserved_trainer`, with the
-    window's gradient held in ``window.gradient``; ``model`` is the one ``training_step``
-    gets."""
-    examples = trainer.args.per_device_train_batch_size
-    m = rows_of(window.microbatches[0].inputs, examples) if window.microbatches else 0
+    """Check the window by split invariance (see the module docstring). Call it inside
+    :func:`accumlab.hf.state.preserved_trainer`, with the window's gradient held in
+    ``window.gradient``; ``model`` is the one ``training_step`` gets."""
+    replay = _Replay(trainer, model, window, tol)
     a = len(window.microbatches)
+    if not window.microbatches or (not replay.generated and collated(window) is None):
+        kind = type(window.microbatches[0].inputs).__name__ if window.microbatches else "no"
+        return Invariance(
+            Split((1,), 1),
+            reason=(
+                f"{type(trainer).__name__} trains on {kind} inputs and generates inside its own "
+                "training_step without _prepare_inputs: the audit cannot replay its buffer"
+            ),
+        )
+    if replay.configured is None:
+        return Invariance(
+            Split((1,), 1),
+            reason=(
+                f"{type(trainer).__name__} hands training_step inputs without per-example "
+                "tensors (it "
+                "generates inside its own training_step): the audit cannot replay them"
+            ),
+        )
+    configured = replay.configured
+    result = Invariance(configured)
     if any(mb.random for mb in window.microbatches):
-        return Invariance(m, a, [], [], {}, reason=(
-            "the job's steps draw random numbers (dropout), which change with the split: turn "
-            "dropout off to check that its gradient does not depend on the split"))
-    pad_id = getattr(getattr(trainer, "processing_class", None), "pad_token_id", None) or 0
-    splits = other_splits(window, examples, pad_id)
-    if not splits:
-        return Invariance(m, a, [], [], {}, reason=(
-            f"a window of {a} microbatch{'es' if a != 1 else ''} of {m} example row"
-            f"{'s' if m != 1 else ''} cannot be split otherwise: use per_device_train_batch_size "
-            ">= 2 for the audit"))
-    g, f = window.gradient, window.factor
-    measures: list[SplitMeasure] = []
-    skipped: list[str] = []
-    for size, batches in splits:
-        try:
-            other = _run_split(trainer, model, window, size, batches)
-        except torch.OutOfMemoryError:
-            model.zero_grad(set_to_none=True)
-            skipped.append(f"({size}, {len(batches)}) did not fit in memory")
-            continue
-        measures.append(_measure(g, f, other, size, len(batches)))
-        del other
-    model.zero_grad(set_to_none=True)
-    mistakes: list[str] = []
-    evidence: dict[str, str] = {}
-    for s in measures:
-        if s.relative_error <= tol:
-            continue
-        ratio = s.accumulation_steps / a
-        name = _named(s, ratio, tol)
-        if name not in evidence:
-            mistakes.append(name)
-            evidence[name] = (
-                f"the same {m * a} examples: gradient at ({m}, {a}) = {s.factor:.4g} x the one at "
-                f"({s.micro_batch_size}, {s.accumulation_steps}), relative error {s.relative_error:.2e}"
-                + (f" (A went from {a} to {s.accumulation_steps} and the gradient by the same "
-                   "factor the other way: one division by A too many)" if name == "double_division" else "")
-            )
+        result.reason = (
+            "the job's steps draw random numbers (dropout, or completions sampled inside "
+            "the step), which change with the split: turn dropout off to check that its "
+            "gradient does not depend on the split"
+        )
+        return result
+    own = [None if g is None else g * window.factor for g in window.gradient or []]
+    result.gradient_norm = compare(own, own).norm
+    if result.gradient_norm == 0:
+        result.reason = (
+            "the job's gradient for this window is zero (no target, or every advantage "
+            "zero), so every split agrees: audit a window that has some"
+        )
+        return result
+    splits = default_splits(configured)
+    short_here = a > 1 and not replay.generated and _has_short_window(trainer, a)
+    if a > 1 and not replay.joins():  # the configured split is the reference
+        splits = [configured] + [
+            s for s in splits if s.sizes != (configured.examples,) and s != configured
+        ]
+        result.notes.append(
+            f"the window's rows cannot be joined into one microbatch: {configured.label} "
+            "is the reference"
+        )
+    report = check_splits(replay, configured, splits=splits, tolerance=tol)
+    result.report, result.logged = report, replay.logged
+    if not report.checked:
+        result.reason = report.reason
+        return result
+    spg = getattr(trainer.args, "steps_per_generation", None) if replay.generated else None
+    _verdict(result, report, tol, short_here, spg)
     counted = count_check(trainer, model, window, tol)
     if counted:
-        mistakes.append("count_before_shift")
-        evidence["count_before_shift"] = counted
-    return Invariance(m, a, measures, mistakes, evidence, skipped=skipped)
+        result.mistakes.append("count_before_shift")
+        result.evidence["count_before_shift"] = counted
+    return result
+
+
+def _verdict(
+    result: Invariance, report: InvarianceReport, tol: float, short_here: bool, spg: int | None
+) -> None:
+    """This run's mistakes and the notes about splits it does not run (see the module
+    docstring); ``spg``: a generated buffer's ``steps_per_generation`` (None otherwise)."""
+    configured = result.configured
+    match = max(10 * tol, 1e-3)
+    accumulates = configured.accumulation_steps > 1
+    joined = result.reference != configured  # else the window could not run as one microbatch
+    for split, (name, evidence) in _named(report, tol).items():
+        name = RENAME.get(name, name)
+        # with A > 1 the configured split against the whole window decides; where the
+        # window cannot run whole, any dependence is this accumulating run's
+        ours = accumulates and (split == configured or not joined)
+        if split.short:
+            ours = short_here
+            if not ours:
+                result.notes.append(
+                    f"a short last window, which this job's epochs do not have: {evidence}"
+                )
+                continue
+        if not ours:
+            result.notes.append(
+                f"at {split.label}, a split this job does not run ({name}): {evidence}"
+            )
+            continue
+        measure = report.measure(split)
+        if spg and measure is not None and spg != configured.accumulation_steps:
+            generation = configured.accumulation_steps / spg
+            if measure.residual <= match and abs(measure.factor / generation - 1) <= match:
+                name = "double_division" if generation < 1 else "wrong_normalization"
+                evidence = (
+                    f"{measure.line()}, = A / steps_per_generation = "
+                    f"{configured.accumulation_steps}/"
+                    f"{spg}: each microbatch is divided by the count of the whole generation batch "
+                    f"({spg} microbatches), not by this window's share of it"
+                )
+        if name not in result.evidence:
+            result.mistakes.append(name)
+            result.evidence[name] = evidence
 
 
 def count_check(trainer: Any, model: Any, window: CapturedWindow, tol: float) -> str:
     """Evidence that the job's loss divides by a ``num_items_in_batch`` counted before the
     causal shift (empty when it does not): the count differs from the targets after the
     shift, and with the targets as the count the gradient moves by exactly their ratio."""
+    batches = collated(window)
     first = window.microbatches[0]
-    labels = first.inputs.get("labels") if isinstance(first.inputs, dict) else None
+    labels = batches[0].get("labels") if batches else None
     nib = first.num_items_in_batch
-    if nib is None or not isinstance(labels, Tensor) or labels.dim() != 2 or not is_causal_lm(unwrapped_model(trainer)):
+    if nib is None or not isinstance(labels, Tensor) or labels.dim() != 2:
+        return ""
+    if not is_causal_lm(unwrapped_model(trainer)):
         return ""
     count = float(nib.float().reshape(-1)[0]) if isinstance(nib, Tensor) else float(nib)
-    targets = sum(job_targets(mb.inputs, shift=True) for mb in window.microbatches)
+    targets = sum(job_targets(b, shift=True) for b in batches or [])
     if targets == 0 or count == targets:
         return ""
-    g, f = window.gradient, window.factor
-    batches = [mb.inputs for mb in window.microbatches]
-    other = _run_split(trainer, model, window, trainer.args.per_device_train_batch_size, batches,
-                       count=targets)
-    s = _measure(g, f, other, 0, 0)
-    del other
+    own = [None if g is None else g * window.factor for g in window.gradient or []]
+    replayed = Replayed(
+        trainer.args.per_device_train_batch_size,
+        [dict(b) for b in batches or []],
+        len(batches or []),
+    )
+    other, _ = run_split(trainer, model, window, replayed, count=targets)
+    c = compare(own, other)
     model.zero_grad(set_to_none=True)
     expected = targets / count
-    if s.residual > max(tol, 1e-3) or abs(s.factor / expected - 1.0) > max(tol, 1e-3) / 10:
+    if c.residual > max(tol, 1e-3) or abs(c.factor / expected - 1.0) > max(tol, 1e-3) / 10:
         return ""
-    return (f"the Trainer's num_items_in_batch is {count:g} where the labels hold {targets:g} targets "
-            f"after the shift; with {targets:g} the gradient is {1 / s.factor:.4f} x the job's "
-            f"(= {count:g}/{targets:g}): the loss divides by the count")
+    return (
+        f"the Trainer's num_items_in_batch is {count:g} where the labels hold {targets:g} targets "
+        f"after the shift; with {targets:g} the gradient is {1 / c.factor:.4f} x the job's "
+        f"(= {count:g}/{targets:g}): the loss divides by the count"
+    )
 
 
-__all__ = [
-    "Invariance",
-    "SplitMeasure",
-    "batch_samples",
-    "count_check",
-    "join_rows",
-    "other_splits",
-    "rows_of",
-    "slice_rows",
-    "split_invariance",
-    "train_window",
-]
+__all__ = ["RENAME", "Invariance", "count_check", "split_invariance"]

@@ -34,7 +34,14 @@ IGNORE_INDEX = -100
 
 #: Keys a packing or padding-free collator adds for the attention kernels; a row of its own
 #: needs none of them.
-PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "seq_lengths")
+PACKING_KEYS = (
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+    "seq_idx",
+    "seq_lengths",
+)
 
 
 class TokenLoss:
@@ -50,9 +57,13 @@ class TokenLoss:
     ``loss_sum / count`` over a window is the token mean.
     """
 
-    def __init__(self, *, shift: bool, label_smoothing: float = 0.0, ignore_index: int = IGNORE_INDEX) -> None:
+    def __init__(
+        self, *, shift: bool, label_smoothing: float = 0.0, ignore_index: int = IGNORE_INDEX
+    ) -> None:
         if not isinstance(shift, bool):
-            raise TypeError(f"shift must be True (causal LM) or False (unshifted labels), got {shift!r}")
+            raise TypeError(
+                f"shift must be True (causal LM) or False (unshifted labels), got {shift!r}"
+            )
         if not 0.0 <= float(label_smoothing) < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
         self.shift = shift
@@ -68,7 +79,9 @@ class TokenLoss:
         """The target of each position: ``labels`` moved left by one when shifted (the last
         position then targets nothing), else ``labels`` itself."""
         if labels.dim() != 2:
-            raise ValueError(f"TokenLoss needs labels of shape (batch, sequence), got {tuple(labels.shape)}")
+            raise ValueError(
+                f"TokenLoss needs labels of shape (batch, sequence), got {tuple(labels.shape)}"
+            )
         return F.pad(labels[:, 1:], (0, 1), value=self.ignore_index) if self.shift else labels
 
     def count(self, batch: Mapping[str, Any]) -> int:
@@ -86,13 +99,19 @@ class TokenLoss:
             )
         wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
         return F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)).to(wide), targets.reshape(-1),
-            ignore_index=self.ignore_index, reduction="sum", label_smoothing=self.label_smoothing,
+            logits.reshape(-1, logits.size(-1)).to(wide),
+            targets.reshape(-1),
+            ignore_index=self.ignore_index,
+            reduction="sum",
+            label_smoothing=self.label_smoothing,
         )
 
 
 def _is_encoder_decoder(model: nn.Module) -> bool:
-    return any(getattr(getattr(m, "config", None), "is_encoder_decoder", False) for m in (model, *model.children()))
+    return any(
+        getattr(getattr(m, "config", None), "is_encoder_decoder", False)
+        for m in (model, *model.children())
+    )
 
 
 def _class_names(model: nn.Module) -> list[str]:
@@ -148,34 +167,62 @@ class Intended:
     described: str
 
 
-def intended_objective(model: nn.Module, batch: Mapping[str, Any], label_smoothing: float = 0.0) -> Intended:
+def intended_objective(
+    model: nn.Module, batch: Mapping[str, Any], label_smoothing: float = 0.0
+) -> Intended:
     """The objective the job means, from the model and its first microbatch."""
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     smoothing = f", label smoothing {label_smoothing:g}" if label_smoothing else ""
     if not isinstance(labels, Tensor):
         found = "no labels" if labels is None else f"labels of type {type(labels).__name__}"
-        return Intended(None, "unknown", f"the batches carry {found}: the loss is the Trainer's own")
+        return Intended(
+            None, "unknown", f"the batches carry {found}: the loss is the Trainer's own"
+        )
     if labels.is_floating_point():
-        return Intended(None, "unknown", "the labels are floating point (regression or soft targets)")
+        return Intended(
+            None, "unknown", "the labels are floating point (regression or soft targets)"
+        )
     if labels.dim() == 2 and is_causal_lm(model):
-        return Intended(TokenLoss(shift=True, label_smoothing=label_smoothing), "causal",
-                        f"token mean of cross-entropy over shifted targets (labels[:, 1:] != -100){smoothing}")
+        return Intended(
+            TokenLoss(shift=True, label_smoothing=label_smoothing),
+            "causal",
+            f"token mean of cross-entropy over shifted targets (labels[:, 1:] != -100){smoothing}",
+        )
     kind = _unshifted_kind(model)
     if labels.dim() == 2 and kind is not None:
-        what = {"seq2seq": "decoder labels", "masked": "masked positions", "token": "labelled tokens"}[kind]
-        return Intended(TokenLoss(shift=False, label_smoothing=label_smoothing), kind,
-                        f"token mean of cross-entropy over the {what} (labels != -100, unshifted){smoothing}")
+        what = {
+            "seq2seq": "decoder labels",
+            "masked": "masked positions",
+            "token": "labelled tokens",
+        }[kind]
+        return Intended(
+            TokenLoss(shift=False, label_smoothing=label_smoothing),
+            kind,
+            f"token mean of cross-entropy over the {what} (labels != -100, unshifted){smoothing}",
+        )
     if labels.dim() == 1 and not label_smoothing:
-        return Intended(ExampleLoss("cross_entropy"), "example",
-                        "example mean of cross-entropy (one class label per example)")
-    return Intended(None, "unknown", (
-        f"labels of shape {tuple(labels.shape)} on a {type(model).__name__}: not an objective the "
-        "audit knows"
-    ))
+        return Intended(
+            ExampleLoss("cross_entropy"),
+            "example",
+            "example mean of cross-entropy (one class label per example)",
+        )
+    return Intended(
+        None,
+        "unknown",
+        (
+            f"labels of shape {tuple(labels.shape)} on a {type(model).__name__}: not an "
+            "objective the "
+            "audit knows"
+        ),
+    )
 
 
 def _per_token(value: Any, batch_size: int, length: int) -> bool:
-    return isinstance(value, Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (batch_size, length)
+    return (
+        isinstance(value, Tensor)
+        and value.dim() >= 2
+        and tuple(value.shape[:2]) == (batch_size, length)
+    )
 
 
 def _segments(batch: Mapping[str, Any], b: int) -> list[Tensor]:
@@ -185,7 +232,11 @@ def _segments(batch: Mapping[str, Any], b: int) -> list[Tensor]:
     ids = batch["input_ids"]
     length = ids.shape[1]
     mask = batch.get("attention_mask")
-    keep = mask[b].bool() if isinstance(mask, Tensor) and mask.dim() == 2 else torch.ones(length, dtype=torch.bool)
+    keep = (
+        mask[b].bool()
+        if isinstance(mask, Tensor) and mask.dim() == 2
+        else torch.ones(length, dtype=torch.bool)
+    )
     positions = torch.arange(length)[keep.cpu()]
     pos = batch.get("position_ids")
     if not isinstance(pos, Tensor) or pos.dim() != 2 or positions.numel() == 0:
@@ -263,10 +314,15 @@ def stack_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     fewer forward passes for the same gradient."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
-        key = tuple((k, tuple(v.shape) if isinstance(v, Tensor) else repr(v)) for k, v in row.items())
+        key = tuple(
+            (k, tuple(v.shape) if isinstance(v, Tensor) else repr(v)) for k, v in row.items()
+        )
         groups.setdefault(key, []).append(row)
     return [
-        {k: torch.cat([r[k] for r in group]) if isinstance(v, Tensor) else v for k, v in group[0].items()}
+        {
+            k: torch.cat([r[k] for r in group]) if isinstance(v, Tensor) else v
+            for k, v in group[0].items()
+        }
         for group in groups.values()
     ]
 
@@ -279,28 +335,44 @@ def scored_after_padding(batch: Mapping[str, Any], shift: bool) -> int:
     if not shift or not isinstance(mask, Tensor) or mask.dim() != 2:
         return 0
     shifted = batch.get("shift_labels")
-    targets = shifted if isinstance(shifted, Tensor) else F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+    targets = (
+        shifted
+        if isinstance(shifted, Tensor)
+        else F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+    )
     return int(((mask == 0) & (targets != IGNORE_INDEX)).sum())
 
 
 @torch.no_grad()
-def attention_leak(model: nn.Module, batch: Mapping[str, Any], kind: str, device: torch.device) -> float:
+def attention_leak(
+    model: nn.Module, batch: Mapping[str, Any], kind: str, device: torch.device
+) -> float:
     """How much an example's logits in its packed row differ from its logits alone: the
     largest ``|Δ logit|`` over the examples' positions, relative to the largest logit, from
-    forward passes in the model's own dtype without autocast and in eval mode (no dropout;
-    the caller restores the mode). 0 when no row holds several examples. A model whose
-    attention reads the example boundaries gives float rounding (about 1e-6 in float32); one
-    whose attention crosses them gives the difference the neighbours make."""
+    forward passes as ``model`` runs them (in its own dtype, under the autocast Accelerate
+    may have put on its ``forward``: the job's precision) and in eval mode (no dropout; the
+    caller restores the mode). 0 when no row holds several examples. A model whose
+    attention reads the example boundaries gives rounding (about 1e-7 in float32, 1e-3
+    under bf16); one whose attention crosses them gives the difference the neighbours make."""
     if kind != "causal" or not packed_rows(batch):
         return 0.0
     model.eval()
     keep = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
-    packed = logits_of(model(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in keep.items()}))
+    packed = logits_of(
+        model(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in keep.items()})
+    )
     rows = example_rows(batch, kind)
-    places = [(b, where) for b in range(batch["input_ids"].shape[0]) for where in _segments(batch, b) if where.numel()]
+    places = [
+        (b, where)
+        for b in range(batch["input_ids"].shape[0])
+        for where in _segments(batch, b)
+        if where.numel()
+    ]
     worst, top = 0.0, 0.0
     for row, (b, where) in zip(rows, places, strict=True):
-        inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in row.items() if k != "labels"}
+        inputs = {
+            k: v.to(device) if isinstance(v, Tensor) else v for k, v in row.items() if k != "labels"
+        }
         alone = logits_of(model(**inputs))[0].float()
         here = packed[b, where.to(packed.device)].float()
         worst = max(worst, float((here - alone).abs().max()))

@@ -84,7 +84,11 @@ def _chunks(a: Tensor | None, b: Tensor | None) -> Any:
     for s in range(0, n, CHUNK):
         e = min(n, s + CHUNK)
         ca = fa[s:e].double() if fa is not None else None
-        cb = fb[s:e].to(ca.device if ca is not None else fb.device).double() if fb is not None else None
+        cb = (
+            fb[s:e].to(ca.device if ca is not None else fb.device).double()
+            if fb is not None
+            else None
+        )
         yield ca, cb
 
 
@@ -125,16 +129,21 @@ class WindowMeasure:
     crosses from one packed example into the next); ``padding_targets``: those scored at
     a padding position; ``packed_rows``: rows holding several examples; ``leak``: how much
     an example's logits in its packed row differ from its own alone (relative, forward
-    passes without autocast: :func:`~accumlab.hf.objectives.attention_leak`), beyond
-    ``leak_tolerance`` (1e-3 for float32 weights, 3e-2 for half-precision ones) the
-    attention reaches the neighbours;
+    passes as the job's forward runs them, under the autocast Accelerate put on it:
+    :func:`~accumlab.hf.objectives.attention_leak`), beyond ``leak_tolerance`` (the
+    job's precision's: 1e-3 in float32, 3e-2 under bf16/fp16 autocast or half-precision
+    weights, whose rounding alone moves a logit by about 4e-3) the attention reaches the
+    neighbours;
     ``rank_targets``/``rank_counted``: per rank; ``microbatch_targets``: per microbatch,
     rank by rank; ``microbatches``: on this rank; ``ranks``: D; ``trainer_count``: the
     ``num_items_in_batch`` the Trainer passed on rank 0 (None when it passed none),
     ``rank_trainer_counts``: the same rank by rank; ``rank_spread``: how far the ranks'
     gradients differ (relative; 0 when the sync left every rank the same gradient);
     ``replayed``: the reference replayed the collated microbatches (the job drew random
-    numbers) instead of the examples' own rows.
+    numbers) instead of the examples' own rows. ``rank_loss_sums``: each microbatch's
+    summed loss under the objective (nats), rank by rank, so the window's objective is
+    their total over ``targets``; ``gradient_norm``: the norm of the job's gradient (before
+    clipping), ``reference_norm`` that of the reference.
     """
 
     scale: float
@@ -157,6 +166,9 @@ class WindowMeasure:
     leak: float = 0.0
     leak_tolerance: float = 1e-3
     replayed: bool = False
+    rank_loss_sums: list[list[float]] = field(default_factory=list)
+    gradient_norm: float = math.nan
+    reference_norm: float = math.nan
 
 
 def _world() -> tuple[int, int]:
@@ -165,7 +177,7 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _all_gather_objects(value: Any) -> list[Any]:
+def all_gather_objects(value: Any) -> list[Any]:
     """``value`` of every rank, in rank order (``[value]`` without a process group)."""
     world = _world()[1]
     if world == 1:
@@ -241,21 +253,38 @@ def _plan(mb: Microbatch, intended: Intended, replay: bool, model: nn.Module) ->
         passes = [(_model_inputs(model, batch, kind), labelled)]
     else:
         passes = [(_model_inputs(model, r, kind), r) for r in stack_rows(rows)]
-    return _Plan(passes, mb.rng if replay else None, n, counted, jt,
-                 scored_after_padding(batch, shift), packed_rows(batch))
+    return _Plan(
+        passes,
+        mb.rng if replay else None,
+        n,
+        counted,
+        jt,
+        scored_after_padding(batch, shift),
+        packed_rows(batch),
+    )
 
 
-def _backward(model: nn.Module, plan: _Plan, objective: Objective, device: torch.device,
-              context: Callable[[], Any], weight: float) -> None:
-    """Accumulate ``weight`` times the microbatch's reference loss-sum gradient in ``.grad``."""
+def _backward(
+    model: nn.Module,
+    plan: _Plan,
+    objective: Objective,
+    device: torch.device,
+    context: Callable[[], Any],
+    weight: float,
+) -> float:
+    """Accumulate ``weight`` times the microbatch's reference loss-sum gradient in
+    ``.grad``; returns the loss sum (nats)."""
     if plan.rng is not None:
         plan.rng.restore()
+    total = 0.0
     for inputs, scored in plan.passes:
         with context():
             output = model(**prepared(inputs, device))
         loss = objective.loss_sum(output, prepared(scored, device))
         (loss * weight if weight != 1.0 else loss).backward()
+        total += float(loss.detach())
         del output, loss
+    return total
 
 
 def measure_window(
@@ -264,14 +293,16 @@ def measure_window(
     intended: Intended,
     device: torch.device,
     context: Callable[[], Any] = contextlib.nullcontext,
+    leak_tolerance: float = 1e-3,
 ) -> WindowMeasure:
     """Measure one captured window against its reference (a collective under
     ``torch.distributed``: every rank calls it with its own window, in the same order).
 
     Runs the reference forward and backward passes on ``model`` in training mode under
     ``context()`` (the job's autocast), accumulating into fresh ``.grad`` tensors (the
-    caller holds and restores the old ones). Returns the same :class:`WindowMeasure` on
-    every rank.
+    caller holds and restores the old ones). ``leak_tolerance``: the relative logit
+    difference the job's precision allows between an example packed and alone. Returns
+    the same :class:`WindowMeasure` on every rank.
     """
     if window.gradient is None:
         raise ValueError("the window was never closed: no gradient was captured")
@@ -281,24 +312,28 @@ def measure_window(
     rank, world = _world()
     replay = any(mb.random for mb in window.microbatches)
     plans = [_plan(mb, intended, replay, model) for mb in window.microbatches]
-    leaks = [attention_leak(model, mb.inputs, intended.kind, device) for mb, p in
-             zip(window.microbatches, plans, strict=True) if p.packed_rows]
+    leaks = [
+        attention_leak(model, mb.inputs, intended.kind, device)
+        for mb, p in zip(window.microbatches, plans, strict=True)
+        if p.packed_rows
+    ]
     local_n = [p.targets for p in plans]
-    per_rank_n = _all_gather_objects(local_n)
-    per_rank_pre = _all_gather_objects([p.counted for p in plans])
+    per_rank_n = all_gather_objects(local_n)
+    per_rank_pre = all_gather_objects([p.counted for p in plans])
     rank_targets = [sum(x) for x in per_rank_n]
     rank_counted = [sum(x) for x in per_rank_pre]
     total = sum(rank_targets)
     if replay:  # the reference scores what the collated microbatches score
-        total = sum(_all_gather_objects(sum(p.job_targets for p in plans)))
+        total = sum(all_gather_objects(sum(p.job_targets for p in plans)))
     g, f = window.gradient, window.factor
 
     model.train()
     model.zero_grad(set_to_none=True)
     g_dot_r = []  # <g, R_i>: the job's gradient against each microbatch's reference
+    loss_sums = []
     before = 0.0
     for p in plans:
-        _backward(model, p, objective, device, context, 1.0)
+        loss_sums.append(_backward(model, p, objective, device, context, 1.0))
         now = dot(g, held_gradient(model))
         g_dot_r.append(now - before)
         before = now
@@ -307,7 +342,7 @@ def measure_window(
     gs_local = f * before
     ss_local = dot(s_local, s_local)
     rank_gram = _rank_gram(s_local, ss_local, world, rank)  # <S_r, S_q>
-    gs_ranks = _all_gather_objects(gs_local)
+    gs_ranks = all_gather_objects(gs_local)
     ss = float(sum(sum(row) for row in rank_gram))
     gs = float(sum(gs_ranks))  # <g, S> with S = sum of S_r (g is the same on every synced rank)
     # the reference is S / N with S summed over ranks; the relative error is formed entry by
@@ -336,13 +371,15 @@ def measure_window(
         token = fits["token"]
         fits["microbatch"] = Fit([token.coefficients[0] * flat_n[0]], token.residual)
     elif g_norm > 0 and not error <= 1e-4:  # wrong (or rounded): name its weighting
-        fits["microbatch"] = _microbatch_fit(model, plans, objective, device, context, g, f, gg, g_dot_r)
+        fits["microbatch"] = _microbatch_fit(
+            model, plans, objective, device, context, g, f, gg, g_dot_r
+        )
     model.zero_grad(set_to_none=True)
     del s_local
 
     spread = _rank_spread(g, f, world)
     own = _trainer_count(window)
-    rank_trainer_counts = _all_gather_objects(own)
+    rank_trainer_counts = all_gather_objects(own)
     return WindowMeasure(
         scale=scale,
         relative_error=error,
@@ -358,18 +395,29 @@ def measure_window(
         unit=getattr(objective, "unit", "unit"),
         rank_spread=spread,
         fits=fits,
-        job_targets=sum(_all_gather_objects(sum(p.job_targets for p in plans))),
-        padding_targets=sum(_all_gather_objects(sum(p.padding_targets for p in plans))),
-        packed_rows=sum(_all_gather_objects(sum(p.packed_rows for p in plans))),
-        leak=max(_all_gather_objects(max(leaks, default=0.0))),
-        leak_tolerance=1e-3 if next(model.parameters()).dtype in (torch.float32, torch.float64) else 3e-2,
+        job_targets=sum(all_gather_objects(sum(p.job_targets for p in plans))),
+        padding_targets=sum(all_gather_objects(sum(p.padding_targets for p in plans))),
+        packed_rows=sum(all_gather_objects(sum(p.packed_rows for p in plans))),
+        leak=max(all_gather_objects(max(leaks, default=0.0))),
+        leak_tolerance=leak_tolerance,
         replayed=replay,
+        rank_loss_sums=all_gather_objects(loss_sums),
+        gradient_norm=g_norm,
+        reference_norm=ref_norm,
     )
 
 
-def _microbatch_fit(model: nn.Module, plans: list[_Plan], objective: Objective, device: torch.device,
-                    context: Callable[[], Any], g: Gradient, f: float, gg: float,
-                    g_dot_r: list[float]) -> Fit:
+def _microbatch_fit(
+    model: nn.Module,
+    plans: list[_Plan],
+    objective: Objective,
+    device: torch.device,
+    context: Callable[[], Any],
+    g: Gradient,
+    f: float,
+    gg: float,
+    g_dot_r: list[float],
+) -> Fit:
     """The per-microbatch-mean pattern ``Σ_i R_i / n_i`` (over every rank): a second
     backward pass per microbatch accumulates it in ``.grad``."""
     model.zero_grad(set_to_none=True)
@@ -385,7 +433,7 @@ def _microbatch_fit(model: nn.Module, plans: list[_Plan], objective: Objective, 
                 dist.all_reduce(_collective_device(t))
     uu = dot(u_local, u_local)
     gu_local = f * sum(x / p.targets for x, p in zip(g_dot_r, plans, strict=True) if p.targets)
-    gu = float(sum(_all_gather_objects(gu_local)))
+    gu = float(sum(all_gather_objects(gu_local)))
     del u_local
     if uu <= 0:
         return Fit([math.nan], 1.0)
@@ -407,7 +455,7 @@ def _rank_gram(s_local: Gradient, ss_local: float, world: int, rank: int) -> lis
             buf = _collective_device(t.detach().clone() if rank == q else torch.empty_like(t))
             dist.broadcast(buf, q)
             received.append(buf)
-        row = _all_gather_objects(dot(s_local, received))
+        row = all_gather_objects(dot(s_local, received))
         for r in range(world):
             gram[r][q] = row[r]
         del received
@@ -427,7 +475,7 @@ def _rank_spread(g: Gradient, f: float, world: int) -> float:
         direction = torch.randn(t.numel(), generator=gen, dtype=torch.float64)
         probe += float(torch.dot(t.reshape(-1).double().cpu(), direction))
     norm2 = f * f * dot(g, g)
-    values = _all_gather_objects((f * probe, norm2))
+    values = all_gather_objects((f * probe, norm2))
     scale = math.sqrt(max(v[1] for v in values)) or 1.0
     probes = [v[0] for v in values]
     norms = [math.sqrt(v[1]) for v in values]
@@ -450,14 +498,19 @@ def user_intended(objective: Objective) -> Intended:
     """An :class:`Intended` for an objective the caller passed: its kind when the audit
     knows it (a next-token loss is cut into rows like a causal LM), else ``user``."""
     if isinstance(objective, NextTokenLoss) and objective.ignore_index == IGNORE_INDEX:
-        return Intended(TokenLoss(shift=True), "causal", f"{objective!r}: token mean over shifted targets")
+        return Intended(
+            TokenLoss(shift=True), "causal", f"{objective!r}: token mean over shifted targets"
+        )
     if isinstance(objective, TokenLoss):
         return Intended(objective, "causal" if objective.shift else "token", f"{objective!r}")
-    return Intended(objective, "user", f"{objective!r}: sum of its loss over the window's examples / its count")
+    return Intended(
+        objective, "user", f"{objective!r}: sum of its loss over the window's examples / its count"
+    )
 
 
 __all__ = [
     "PATTERNS",
+    "all_gather_objects",
     "WindowMeasure",
     "dot",
     "distance",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .invariance import Invariance
+from .logged import LoggedNumber
 from .reference import WindowMeasure
 from .verdict import CAUSES, TRAINER_MISTAKES
 
@@ -32,9 +33,13 @@ class TrainerAuditReport:
     window with the largest error). ``fix``: Python to paste (empty when ok);
     ``fix_is_advice``: the fix says what to change in comments only (a loss the audit
     cannot write for you), no code to paste. ``invariance``: the split-invariance
-    results when the objective is not one the audit knows. ``windows``: per-window measurements. ``objective``: the reference objective.
+    results when the objective is not one the audit knows. ``windows``: per-window
+    measurements. ``objective``: the reference objective.
     ``notes``: what this data cannot tell apart from a correct job, and how the run was
-    set up. ``not_checked``: what the audit does not look at.
+    set up. ``not_checked``: what the audit does not look at. ``logged``: the numbers the
+    Trainer logs for each audited window (``loss``, ``grad_norm``), judged apart from the
+    update (:mod:`accumlab.hf.logged`); ``logged_ok`` is False when one is wrong in a way
+    the update is not ("update ok; logged loss x A"), and only those are printed.
     """
 
     ok: bool
@@ -53,17 +58,37 @@ class TrainerAuditReport:
     not_checked: str = TRAINER_NOT_CHECKED
     unknown_objective: bool = False
     invariance: list[Invariance] = field(default_factory=list)
+    logged: list[LoggedNumber] = field(default_factory=list)
+
+    @property
+    def logged_ok(self) -> bool:
+        """No logged number is wrong apart from the update (see :mod:`accumlab.hf.logged`)."""
+        return not any(n.apart for n in self.logged)
+
+    @property
+    def accumulation_steps(self) -> int:
+        """A of the first audited window (1 when nothing was measured)."""
+        if self.windows:
+            return self.windows[0].microbatches
+        return self.invariance[0].accumulation_steps if self.invariance else 1
 
     @classmethod
-    def unchecked(cls, reason: str, notes: list[str] | None = None, *,
-                  unknown_objective: bool = False) -> TrainerAuditReport:
+    def unchecked(
+        cls, reason: str, notes: list[str] | None = None, *, unknown_objective: bool = False
+    ) -> TrainerAuditReport:
         """A report for a job the audit could not measure: never ok."""
-        return cls(ok=False, checked=False, reason=reason, notes=list(notes or []),
-                   unknown_objective=unknown_objective)
+        return cls(
+            ok=False,
+            checked=False,
+            reason=reason,
+            notes=list(notes or []),
+            unknown_objective=unknown_objective,
+        )
 
     @classmethod
-    def from_invariance(cls, results: list[Invariance], why: str, tolerance: float, trainer: Any,
-                        model: Any) -> TrainerAuditReport:
+    def from_invariance(
+        cls, results: list[Invariance], why: str, tolerance: float, trainer: Any, model: Any
+    ) -> TrainerAuditReport:
         """The report of a split-invariance check (see :mod:`accumlab.hf.invariance`)."""
         from .fixes import has_code, invariance_fix
 
@@ -80,15 +105,32 @@ class TrainerAuditReport:
                     mistakes.append(name)
                     evidence[name] = r.evidence[name]
         mistakes = [name for name in TRAINER_MISTAKES if name in evidence]
-        splits = [s for r in results for s in r.splits]
-        worst = max(splits, key=lambda s: -1.0 if math.isnan(s.relative_error) else s.relative_error)
+        own = [
+            m for r in results for m in r.splits if m.kind == "split" and m.split == r.configured
+        ]
+        splits = own or [m for r in results for m in r.splits if m.kind == "split"]
+        worst = max(
+            splits,
+            key=lambda m: -1.0 if math.isnan(m.relative_error) else m.relative_error,
+            default=None,
+        )
         fix = invariance_fix(mistakes, trainer, model, why)
-        notes = [f"split {skip}: not compared" for r in results for skip in (r.skipped or [])]
+        notes = [f"split {skip}: not compared" for r in results for skip in r.skipped]
+        notes += [note for r in results for note in r.notes]
         return cls(
-            ok=not mistakes, checked=True, mistakes=mistakes, scale=worst.factor,
-            relative_error=worst.relative_error, fix=fix, fix_is_advice=bool(fix) and not has_code(fix),
-            evidence=evidence, objective=f"{why}: checked by split invariance",
-            tolerance=tolerance, invariance=results, not_checked=INVARIANCE_NOT_CHECKED, notes=notes,
+            ok=not mistakes,
+            checked=True,
+            mistakes=mistakes,
+            scale=worst.factor if worst else 1.0,
+            relative_error=worst.relative_error if worst else 0.0,
+            fix=fix,
+            fix_is_advice=bool(fix) and not has_code(fix),
+            evidence=evidence,
+            objective=f"{why}: checked by split invariance",
+            tolerance=tolerance,
+            invariance=results,
+            not_checked=INVARIANCE_NOT_CHECKED,
+            notes=notes,
         )
 
     def __str__(self) -> str:
@@ -100,31 +142,42 @@ class TrainerAuditReport:
                 lines += _wrap(f"  note: {n}", "    ")
             return "\n".join(lines)
         verdict = "ok" if self.ok else "WRONG: " + ", ".join(self.mistakes)
+        apart = [n for n in self.logged if n.apart]
+        if apart:
+            said = ", ".join(f"logged {n.name} {n.finding}" for n in apart)
+            verdict = f"update {verdict}; {said}" if self.ok else f"{verdict}; {said}"
         lines = [f"accumulation audit: {verdict}"]
-        lines += _wrap(f"  {'objective' if self.invariance else 'reference'}: {self.objective}", "    ")
+        lines += _wrap(
+            f"  {'objective' if self.invariance else 'reference'}: {self.objective}", "    "
+        )
         for i, r in enumerate(self.invariance):
-            for sp in r.splits:
-                lines += _wrap(
-                    f"  window {i}: the same {r.micro_batch_size * r.accumulation_steps} examples at "
-                    f"(m, A) = ({r.micro_batch_size}, {r.accumulation_steps}) give {sp.factor:.4f} x the "
-                    f"gradient at ({sp.micro_batch_size}, {sp.accumulation_steps}), relative error "
-                    f"{sp.relative_error:.1e}",
-                    "    ",
-                )
+            lines += _wrap(
+                f"  window {i}: configured as {r.configured.label}; the gradient of its "
+                f"{r.examples} examples at each split:",
+                "    ",
+            )
+            lines += [line for m in r.splits for line in _wrap(f"    {m.line()}", "      ")]
         for i, w in enumerate(self.windows):
             counts = _counts(w.rank_trainer_counts or [w.trainer_count])
             lines += _wrap(
                 f"  window {i}: gradient = {w.scale:.4f} x correct, relative error "
-                f"{w.relative_error:.1e} ({w.microbatches} microbatches x {_plural(w.ranks, 'rank')}, "
+                f"{w.relative_error:.1e} ({w.microbatches} microbatches x "
+                f"{_plural(w.ranks, 'rank')}, "
                 f"{w.targets} {w.unit}s, Trainer's count {counts})",
                 "    ",
             )
         for name in self.mistakes:
             lines += _wrap(f"  cause {name}: {CAUSES[name]}", "    ")
             lines += _wrap(f"    measured: {self.evidence[name]}", "      ")
+        for n in self.logged:  # a logging mistake of its own; the rest is in .logged
+            if n.apart:
+                lines += _wrap(f"  {n.text(self.accumulation_steps)}", "    ")
         if self.fix:
-            lines.append("  fix (what to change; then run the audit again):" if self.fix_is_advice
-                         else "  fix (paste; then run the audit again):")
+            lines.append(
+                "  fix (what to change; then run the audit again):"
+                if self.fix_is_advice
+                else "  fix (paste; then run the audit again):"
+            )
             lines += ["    " + line if line else "" for line in self.fix.rstrip("\n").split("\n")]
         for n in self.notes:
             lines += _wrap(f"  note: {n}", "    ")

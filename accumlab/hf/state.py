@@ -80,8 +80,10 @@ def preserved_model(model: nn.Module) -> Iterator[None]:
 
 def _snapshot(obj: object) -> dict[str, tuple[Any, Any]]:
     """Each instance attribute with a shallow copy of its contents when it is a list or dict."""
-    return {k: (v, list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else None)
-            for k, v in vars(obj).items()}
+    return {
+        k: (v, list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else None)
+        for k, v in vars(obj).items()
+    }
 
 
 def _restore(obj: object, saved: dict[str, tuple[Any, Any]]) -> None:

@@ -21,8 +21,13 @@ from ..mistakes import MISTAKES, reported_by
 from .reference import WindowMeasure, same_on_every_rank
 
 #: Every name ``TrainerAuditReport.mistakes`` can hold, in the order they are reported:
-#: the Trainer audit's names of the shared table :data:`accumlab.mistakes.MISTAKES`.
-TRAINER_MISTAKES: tuple[str, ...] = reported_by("trainer")
+#: the Trainer audit's names of the shared table :data:`accumlab.mistakes.MISTAKES` and the
+#: split-invariance engine's (but ``sum_of_means``, which it says as ``num_items_ignored``).
+TRAINER_MISTAKES: tuple[str, ...] = tuple(
+    name
+    for name in MISTAKES
+    if name in set(reported_by("trainer")) | set(reported_by("split")) - {"sum_of_means"}
+)
 
 #: What each name means, in one sentence a person reads (the shared table's cause).
 CAUSES: dict[str, str] = {name: MISTAKES[name].cause for name in TRAINER_MISTAKES}
@@ -58,7 +63,9 @@ def name_causes(m: WindowMeasure, *, ok_tol: float, match: float) -> Finding:
         return _ordered(found)  # each rank measures its own gradient: nothing else is common
     found.update(_collation_facts(m, ok_tol))
     token = m.fits.get("token")
-    if m.relative_error <= ok_tol and (token is None or _nearest(m, token.coefficients[0], match) is None):
+    if m.relative_error <= ok_tol and (
+        token is None or _nearest(m, token.coefficients[0], match) is None
+    ):
         return _ordered(found)
     if found.keys() - {"ranks_disagree"}:
         return _ordered(found)
@@ -74,7 +81,8 @@ def name_causes(m: WindowMeasure, *, ok_tol: float, match: float) -> Finding:
                 return _ordered(found)
     if "token" in fits:
         found["wrong_normalization"] = (
-            f"every {m.unit} weighs the same but the divisor is {1.0 / fits['token'].coefficients[0]:.4g}, "
+            f"every {m.unit} weighs the same but the divisor is "
+            f"{1.0 / fits['token'].coefficients[0]:.4g}, "
             f"not the {m.targets} {m.unit}s"
         )
     else:
@@ -100,9 +108,15 @@ def _collation_facts(m: WindowMeasure, ok_tol: float) -> dict[str, str]:
             f"position; measured scale {m.scale:.4f}, relative error {m.relative_error:.2e}"
         )
     if m.packed_rows and (crossing > 0 or m.leak > m.leak_tolerance):
-        across = f"{crossing} targets cross from one example into the next; " if crossing > 0 else ""
-        leak = (f"an example's logits in its packed row differ from its own alone by up to "
-                f"{m.leak:.1e} (relative); " if m.leak > m.leak_tolerance else "")
+        across = (
+            f"{crossing} targets cross from one example into the next; " if crossing > 0 else ""
+        )
+        leak = (
+            f"an example's logits in its packed row differ from its own alone by up to "
+            f"{m.leak:.1e} (relative); "
+            if m.leak > m.leak_tolerance
+            else ""
+        )
         found["attention_crosses_examples"] = (
             f"{m.packed_rows} rows hold several examples; {across}{leak}the gradient is "
             f"{m.scale:.4f} x the examples' own, each in its own row, relative error "
@@ -132,7 +146,9 @@ def _nearest(m: WindowMeasure, constant: float, match: float) -> str | None:
     if not constant > 0:
         return "wrong_normalization"
     divisor = 1.0 / constant
-    ranked = sorted(_candidates(m), key=lambda c: abs(math.log(divisor / c[0])) if c[0] > 0 else math.inf)
+    ranked = sorted(
+        _candidates(m), key=lambda c: abs(math.log(divisor / c[0])) if c[0] > 0 else math.inf
+    )
     value, name = ranked[0]
     if abs(divisor / value - 1.0) > match:
         return "wrong_normalization"
@@ -146,18 +162,31 @@ def _token(m: WindowMeasure, pattern: str, constant: float, match: float) -> dic
     count = m.trainer_count if same_on_every_rank(m.rank_trainer_counts) else None
     if _nearest(m, constant, match) is None:
         return {}
-    if _near(divisor, n_pre, match) and n_pre != n and _nearest(m, constant, match) == "count_before_shift":
-        return {"count_before_shift": (
-            f"the gradient is the correct one times {n / n_pre:.4f} = {n}/{n_pre}: "
-            f"divided by {n_pre} counted labels where {n} {unit}s are scored"
-        )}
+    if (
+        _near(divisor, n_pre, match)
+        and n_pre != n
+        and _nearest(m, constant, match) == "count_before_shift"
+    ):
+        return {
+            "count_before_shift": (
+                f"the gradient is the correct one times {n / n_pre:.4f} = {n}/{n_pre}: "
+                f"divided by {n_pre} counted labels where {n} {unit}s are scored"
+            )
+        }
     if _near(divisor, a * n, match) or _near(divisor, a * n_pre, match):
-        out = {"double_division": f"divided by {divisor:.1f} = A x count (A = {a}, {n} {unit}s scored)"}
+        out = {
+            "double_division": f"divided by {divisor:.1f} = A x count (A = {a}, {n} {unit}s scored)"
+        }
         if _near(divisor, a * n_pre, match) and n_pre != n:
-            out["count_before_shift"] = f"the count is the {n_pre} labels before the shift, not the {n} {unit}s"
+            out["count_before_shift"] = (
+                f"the count is the {n_pre} labels before the shift, not the {n} {unit}s"
+            )
         return out
     if any(_near(divisor, x, match) for x in (1.0, 1.0 / d, float(d))):
-        return {"no_division": f"the loss sums reach the gradient divided by {divisor:.3g}, not by the {n} {unit}s"}
+        return {
+            "no_division": f"the loss sums reach the gradient divided by {divisor:.3g}, not by "
+            f"the {n} {unit}s"
+        }
     if count is not None and _near(divisor, count, match):
         if divisor <= n:
             name = "scored_targets_missed"
@@ -165,7 +194,10 @@ def _token(m: WindowMeasure, pattern: str, constant: float, match: float) -> dic
             name = "count_before_shift"
         else:
             name = "ignored_tokens_counted"
-        return {name: f"divided by the Trainer's num_items_in_batch = {count:g} where {n} {unit}s are scored"}
+        return {
+            name: f"divided by the Trainer's num_items_in_batch = {count:g} where {n} {unit}s "
+            "are scored"
+        }
     return {}
 
 
@@ -174,13 +206,16 @@ def _rank(m: WindowMeasure, pattern: str, constant: float, match: float) -> dict
     if not _near(constant, 1.0 / m.ranks, match):
         return {}
     per_rank = m.rank_targets if pattern == "rank" else m.rank_counted
-    out = {"per_rank_mean": (
-        f"each rank divides by its own count ({per_rank} by rank) instead of the {m.targets} "
-        f"{m.unit}s of all {m.ranks} ranks"
-    )}
+    out = {
+        "per_rank_mean": (
+            f"each rank divides by its own count ({per_rank} by rank) instead of the {m.targets} "
+            f"{m.unit}s of all {m.ranks} ranks"
+        )
+    }
     if pattern == "rank_pre":
         out["count_before_shift"] = (
-            f"the per-rank counts {m.rank_counted} are labels before the shift; the ranks score {m.rank_targets}"
+            f"the per-rank counts {m.rank_counted} are labels before the shift; the ranks score "
+            f"{m.rank_targets}"
         )
     return out
 
@@ -190,19 +225,31 @@ def _microbatch(m: WindowMeasure, pattern: str, constant: float, match: float) -
     a, d, n, c = m.microbatches, m.ranks, m.targets, constant
     sizes = "; ".join(str(x) for x in m.microbatch_targets)
     if _near(c, 1.0 / (a * d), match):
-        return {"average_of_averages": f"each microbatch's mean over its own {m.unit}s ({sizes}), divided by A = {a}"}
+        return {
+            "average_of_averages": f"each microbatch's mean over its own {m.unit}s ({sizes}), "
+            f"divided by A = {a}"
+        }
     if _near(c, 1.0, match) or _near(c, 1.0 / d, match):
         never = (  # transformers 4.46 for a forward without **loss_kwargs
             "; the Trainer passed no num_items_in_batch and still did not divide by A"
-            if m.trainer_count is None else ""
+            if m.trainer_count is None
+            else ""
         )
-        return {"num_items_ignored": (
-            f"each microbatch's mean over its own {m.unit}s ({sizes}), summed over A = {a} "
-            f"microbatches: {m.scale:.3g} times the correct gradient{never}"
-        )}
+        return {
+            "num_items_ignored": (
+                f"each microbatch's mean over its own {m.unit}s ({sizes}), summed over A = {a} "
+                f"microbatches: {m.scale:.3g} times the correct gradient{never}"
+            )
+        }
     if any(_near(c * n, x, match) for x in (1.0, float(d), 1.0 / d)):
-        return {"double_division": f"each microbatch's mean ({sizes}) divided again by the window's {n} {m.unit}s"}
-    return {"average_of_averages": f"each microbatch's mean over its own {m.unit}s ({sizes}), times {c:.4g}"}
+        return {
+            "double_division": f"each microbatch's mean ({sizes}) divided again by the window's "
+            f"{n} {m.unit}s"
+        }
+    return {
+        "average_of_averages": f"each microbatch's mean over its own {m.unit}s ({sizes}), "
+        f"times {c:.4g}"
+    }
 
 
 def _ordered(found: dict[str, str]) -> Finding:
@@ -220,11 +267,12 @@ def blind_spots(m: WindowMeasure, ok_tol: float) -> list[str]:
             "pass too: audit a window with uneven lengths to rule it out"
         )
     if m.ranks > 1 and same_on_every_rank(m.rank_targets):
-        notes.append(
-            f"every rank has the same {m.unit} count, so per-rank means would pass too"
-        )
+        notes.append(f"every rank has the same {m.unit} count, so per-rank means would pass too")
     if m.unit == "target" and m.counted == m.targets:
-        notes.append("no label before the shift is unscored here, so counting before the shift would pass too")
+        notes.append(
+            "no label before the shift is unscored here, so counting before the shift would "
+            "pass too"
+        )
     return notes
 
 

@@ -8,10 +8,12 @@
 Exit codes: 0 done; 1 a failed check, a file that cannot be written, a checkpoint
 directory another run holds, no checkpoint this version can resume from (damaged, or of
 another format), or a run that failed;
-2 bad arguments, or a resume the checkpoint refuses (settings that differ from its
-run's); 130 interrupted. Each failure is one line on stderr, never a traceback (a bad flag
-value: argparse's usage, then one line naming the flag and the values it takes).
-docs/CLI.md says more.
+2 bad arguments, or a resume the checkpoint refuses (flags that differ from its run's,
+each named); 130 interrupted. Each failure is one line on stderr, never a traceback (a bad
+flag value: argparse's usage, then one line naming the flag and the values it takes).
+Output never fails a run: a path is printed in a form any terminal shows (bytes that are
+not UTF-8 as \\xff), and a run that finished exits 0 even when its lines cannot be
+printed (a closed pipe, a full disk), saying so on stderr. docs/CLI.md says more.
 """
 
 from __future__ import annotations
@@ -30,7 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from accumlab import checkpoint, driver
-from accumlab.atomic_write import check_directory, file_kind, write_atomically
+from accumlab.atomic_write import (
+    check_directory,
+    file_kind,
+    remove_empty_directories,
+    write_atomically,
+)
 from accumlab.validate import check_positive_number
 
 #: Where records go when ``--record`` is given without a path (relative to the current
@@ -43,6 +50,10 @@ AUTO_RECORD = object()
 #: The largest ``--seed``: ``torch.manual_seed`` takes 0 to 2**64 - 1 as they are (and
 #: -2**63 to -1 remapped onto that range, so ``--seed`` refuses those: one seed, one name).
 MAX_SEED = 2**64 - 1
+
+#: The largest count (``--micro``, ``--steps``, ``--updates``, ``--examples``,
+#: ``--checkpoint-every``): the largest int64, the library's counts under data parallelism.
+MAX_COUNT = 2**63 - 1
 
 #: The largest float32 number: ``--clip`` and AdamW's steps are computed in float32.
 FLOAT32_MAX = float.fromhex("0x1.fffffep+127")  # 3.4028e38
@@ -57,27 +68,63 @@ class CommandError(Exception):
     """A failure to report as one line with exit code 1."""
 
 
+# --- output ------------------------------------------------------------------------------
+
+#: What could not be printed since :func:`main` started (one entry per failed stream).
+_lost_output: list[str] = []
+
+
+def printable(text: str, stream: Any) -> str:
+    """``text`` as ``stream`` can show it, so that printing it never raises: the bytes of
+    a path that are not valid in the file system's encoding (which Python carries as lone
+    surrogates) as ``\\xff``, and characters the stream's encoding lacks as ``\\u65e5``."""
+    encoding = sys.getfilesystemencoding()
+    try:
+        text = text.encode(encoding, "surrogateescape").decode(encoding, "backslashreplace")
+    except UnicodeError:  # a character the file system's encoding lacks: no path's
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    shown = getattr(stream, "encoding", None) or "utf-8"
+    try:
+        return text.encode(shown, "backslashreplace").decode(shown)
+    except LookupError:  # a stream naming an encoding Python does not know
+        return text.encode("ascii", "backslashreplace").decode("ascii")
+
+
+def say(text: str, *, err: bool = False) -> None:
+    """Print ``text`` on stdout (stderr with ``err``) as :func:`printable` makes it, never
+    raising: a stream that fails (a closed pipe, a full disk) is noted, later lines to it
+    are dropped, and :func:`main` says so on stderr once the command has ended."""
+    name = "stderr" if err else "stdout"
+    stream = sys.stderr if err else sys.stdout
+    if any(lost.startswith(name) for lost in _lost_output):
+        return
+    try:
+        print(printable(text, stream), file=stream, flush=True)
+    except (OSError, ValueError) as exc:  # ValueError: a closed stream
+        _lost_output.append(f"{name}: {exc.strerror if isinstance(exc, OSError) else exc}")
+
+
 def _env(args: argparse.Namespace) -> int:
     from . import environment
 
     start = time.perf_counter()
     info = environment.environment()
     for key, value in info.items():
-        print(f"{key:12s} {(', '.join(value) or 'none') if isinstance(value, list) else value}")
+        say(f"{key:12s} {(', '.join(value) or 'none') if isinstance(value, list) else value}")
     if not args.check:
         return 0
     problems = environment.smoke_check(info)
     for problem in problems:
-        print(f"accumlab: check failed: {problem}", file=sys.stderr)
+        say(f"accumlab: check failed: {problem}", err=True)
     if not problems:
-        print(f"all checks passed in {time.perf_counter() - start:.1f} s")
+        say(f"all checks passed in {time.perf_counter() - start:.1f} s")
     return 1 if problems else 0
 
 
 def _plan(args: argparse.Namespace) -> int:
     from accumlab.plan import AccumulationPlan, describe
 
-    print(describe(AccumulationPlan.from_effective_batch(args.effective, args.micro, args.dp)))
+    say(describe(AccumulationPlan.from_effective_batch(args.effective, args.micro, args.dp)))
     return 0
 
 
@@ -89,9 +136,10 @@ def default_record_path(now: datetime | None = None) -> Path:
     return RUNS_DIR / f"train-{now or datetime.now(timezone.utc):%Y%m%d-%H%M%S}.json"
 
 
-def prepare_record_path(path: Path, *, force: bool) -> Path:
+def prepare_record_path(path: Path, *, force: bool) -> tuple[Path, list[Path]]:
     """Check, before any training, that a record can be written at ``path``; return the
-    file to write: ``path``, or its target when it is a symlink (the link stays).
+    file to write (``path``, or its target when it is a symlink: the link stays) and the
+    directories created for it, outermost first (to remove again if the run fails).
 
     :class:`CommandError` when ``path`` is (or links to) anything but a regular file (a
     directory, a FIFO, a device: such a path is never replaced), when it exists and
@@ -101,6 +149,8 @@ def prepare_record_path(path: Path, *, force: bool) -> Path:
         kind = file_kind(os.stat(path).st_mode)
     except (FileNotFoundError, NotADirectoryError):
         kind = "a regular file"  # absent, or a dangling symlink: its target gets the record
+    except OSError as exc:  # a symlink loop, a directory we may not search, a name too long
+        raise CommandError(f"cannot look up --record {path}: {exc.strerror or exc}") from exc
     if kind != "a regular file":
         kind = f"a symlink to {kind}" if path.is_symlink() else kind
         raise CommandError(f"--record {path} is {kind}, not a regular file; give a file path "
@@ -114,11 +164,11 @@ def prepare_record_path(path: Path, *, force: bool) -> Path:
         raise CommandError(f"cannot write the run record to {path}: {blocker} is a file, not a "
                            "directory")
     try:
-        check_directory(target.parent)
+        created = check_directory(target.parent)
     except OSError as exc:
-        raise CommandError(f"cannot write the run record to {path}: "
-                           f"{os.strerror(exc.errno) if exc.errno else exc}") from exc
-    return target
+        why = getattr(exc, "why", None) or exc.strerror or str(exc)
+        raise CommandError(f"cannot write the run record to {path}: {why}") from exc
+    return target, created
 
 
 def check_record_beside_checkpoints(record: Path, checkpoint_dir: str) -> None:
@@ -140,32 +190,43 @@ def check_record_beside_checkpoints(record: Path, checkpoint_dir: str) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    import torch
-
-    from accumlab.objectives import NextTokenLoss
     from accumlab.plan import AccumulationPlan
-    from accumlab.record import RunRecord
     from accumlab.settings import TrainSettings
-
-    from . import data
-    from .models import TinyGPT
 
     plan = AccumulationPlan(args.micro, args.steps, last_window=args.last_window)
     # the library's own check of the checkpoint keywords, before anything is read or written
     TrainSettings(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                   resume=args.resume)
     record = target = None
+    created: list[Path] = []  # directories made for the record: removed if the run fails
     if args.record is not None:
         if args.record is not AUTO_RECORD and not args.record.strip():
             raise ValueError("--record needs a file path such as runs/run.json, got an empty one")
         record = default_record_path() if args.record is AUTO_RECORD else Path(args.record)
         if args.checkpoint_dir:
             check_record_beside_checkpoints(record, args.checkpoint_dir)
-        target = prepare_record_path(record, force=args.force)
+        target, created = prepare_record_path(record, force=args.force)
+    try:
+        return _train_and_record(args, plan, record, target)
+    except BaseException:
+        remove_empty_directories(created)
+        raise
+
+
+def _train_and_record(args: argparse.Namespace, plan: Any, record: Path | None,
+                      target: Path | None) -> int:
+    import torch
+
+    from accumlab.objectives import NextTokenLoss
+    from accumlab.record import RunRecord
+
+    from . import data
+    from .models import TinyGPT
+
     if args.resume:
         done = checkpoint.list_checkpoints(args.checkpoint_dir)
-        print(f"resuming from {checkpoint.checkpoint_path(args.checkpoint_dir, done[0])}" if done
-              else f"no checkpoint in {args.checkpoint_dir} yet: starting fresh")
+        say(f"resuming from {checkpoint.checkpoint_path(args.checkpoint_dir, done[0])}" if done
+            else f"no checkpoint in {args.checkpoint_dir} yet: starting fresh")
 
     torch.manual_seed(args.seed)  # the model's initialisation; the checkpoint keeps the seed
     examples = data.load_examples(limit=args.examples)
@@ -177,50 +238,117 @@ def _train(args: argparse.Namespace) -> int:
         if report.index + 1 == args.updates:  # trained: only the last checkpoint is left
             _ignore_ctrl_c()
 
-    ledger = driver.train(model, batches, optimizer, plan, NextTokenLoss(),
-                          max_updates=args.updates, precision=args.precision,
-                          clip_grad_norm=args.clip, progress=not args.quiet,
-                          checkpoint_dir=args.checkpoint_dir,
-                          checkpoint_every=args.checkpoint_every, resume=args.resume,
-                          on_update=on_update)
+    try:
+        ledger = driver.train(model, batches, optimizer, plan, NextTokenLoss(),
+                              max_updates=args.updates, precision=args.precision,
+                              clip_grad_norm=args.clip, progress=not args.quiet,
+                              checkpoint_dir=args.checkpoint_dir,
+                              checkpoint_every=args.checkpoint_every, resume=args.resume,
+                              on_update=on_update)
+    except checkpoint.ResumeMismatchError as exc:
+        raise ValueError(resume_refused(exc, args)) from exc
     _ignore_ctrl_c()  # the run is over: Ctrl-C must not cut its record short (main restores it)
 
     extra = {"seed": args.seed, "learning_rate": optimizer.param_groups[0]["lr"],
              "data_examples": len(examples), "model": "TinyGPT"}
     run = RunRecord.from_run(plan, ledger, extra=extra)
-    print(ledger.summary())
-    print(run.to_markdown())
+    say(ledger.summary())
+    say(run.to_markdown())
     if target is not None:
-        text = run.to_json() + "\n"
+        text = run.to_json()
         try:
-            write_atomically(target, text.encode("utf-8"), overwrite=args.force)
+            write_atomically(target, (text + "\n").encode("utf-8"), overwrite=args.force)
         except OSError as exc:
-            print(text, end="")  # the run is not lost: its record goes to stdout instead
+            say(text)  # the run is not lost: its record goes to stdout instead
             why = (f"{record} appeared during training and was left alone (pass --force to "
                    "overwrite it)") if isinstance(exc, FileExistsError) else exc.strerror
             raise CommandError(f"{why}; the run record's JSON is printed above instead") from exc
-        print(f"run record written to {record}")
+        say(f"run record written to {record}")
     return 0
+
+
+#: The library's name of a setting a resume compares (``checkpoint.Difference.what``) ->
+#: the flag that sets it.
+_FLAG_OF = {"plan.micro_batch_size": "--micro", "plan.accumulation_steps": "--steps",
+            "plan.last_window": "--last-window", "seed": "--seed", "precision": "--precision",
+            "optimizer.param_groups[0].lr": "--lr", "clip_grad_norm": "--clip",
+            "data": "--examples"}
+#: Differences that follow from another one (the effective batch from --micro or --steps,
+#: the GradScaler from --precision): named only when nothing they follow from is.
+_FOLLOWS = {"plan.effective_batch_size": ("plan.micro_batch_size", "plan.accumulation_steps"),
+            "scaler": ("precision",)}
+
+
+def _flag_value(value: Any) -> str:
+    return "not given" if value is None else str(value)
+
+
+def resume_refused(error: checkpoint.ResumeMismatchError, args: argparse.Namespace) -> str:
+    """The line for a resume the checkpoint refused, naming each changed flag as typed,
+    with the checkpoint's value and the one given now (the library's words for anything
+    no flag sets)."""
+    found = {d.what for d in error.differences}
+    parts = []
+    for difference in error.differences:
+        flag = _FLAG_OF.get(difference.what)
+        if any(cause in found for cause in _FOLLOWS.get(difference.what, ())):
+            continue
+        if flag is None:
+            parts.append(difference.text)
+        elif difference.what == "data":
+            parts.append(f"{flag} {_flag_value(args.examples)} now, but the data is not the "
+                         f"checkpoint's run's ({difference.text}); the checkpoint does not record "
+                         f"{flag}: give the value that run started with")
+        else:
+            parts.append(f"{flag}: {_flag_value(difference.saved)} in the checkpoint, "
+                         f"{_flag_value(difference.now)} now")
+    if not parts:
+        return str(error)
+    return (f"cannot resume from the checkpoint in {args.checkpoint_dir}: the run that wrote it "
+            f"had other flags: {'; '.join(parts)}. Resume with that run's flags, or start a new "
+            "run in another --checkpoint-dir")
 
 
 # --- the command line ---------------------------------------------------------------------
 
 
-def _whole_number(text: str, low: int, high: int | None, what: str) -> int:
+def _read_whole(text: str) -> int | float | None:
+    """``text`` as ``int()`` reads it; a whole number too long for ``int()`` (Python reads
+    at most 4300 digits) as ``inf`` or ``-inf``; ``None`` when it is no whole number."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    body = text.strip().replace("_", "")
+    digits = body[1:] if body[:1] in ("+", "-") else body
+    if digits.isdecimal() and len(digits) > 4300:
+        return -math.inf if body.startswith("-") else math.inf
+    return None
+
+
+def _shown_argument(text: str) -> str:
+    """A flag's value as an error message shows it: quoted, or described when long."""
+    if len(text) <= 40:
+        return repr(text)
+    digits = text.strip().lstrip("+-").replace("_", "")
+    if digits.isdecimal():
+        return f"a number of {len(digits)} digits"
+    return f"{text[:20]!r}... ({len(text)} characters)"
+
+
+def _whole_number(text: str, low: int, high: int, what: str) -> int:
     """``text`` as an int in [low, high] (argparse ``type=``); anything else is a usage
     error saying what the flag takes (argparse puts the flag in front)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < low or (high is not None and value > high):
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
-    return value
+    value = _read_whole(text)
+    if value is None or not low <= value <= high:
+        too = "" if value is None else " (too large)" if value > high else " (too small)"
+        raise argparse.ArgumentTypeError(f"must be {what}, got {_shown_argument(text)}{too}")
+    return int(value)
 
 
 def parse_positive_int(text: str) -> int:
-    """argparse ``type=`` for a count or size: a whole number, at least 1."""
-    return _whole_number(text, 1, None, "a whole number, at least 1")
+    """argparse ``type=`` for a count or size: a whole number from 1 to :data:`MAX_COUNT`."""
+    return _whole_number(text, 1, MAX_COUNT, "a whole number, at least 1 and at most 2**63 - 1")
 
 
 def parse_seed(text: str) -> int:
@@ -238,7 +366,8 @@ def _positive_number(text: str, largest: float, why: str) -> float:
         value = math.nan
     if not value <= largest:
         raise argparse.ArgumentTypeError(
-            f"must be a positive, finite number, at most {largest:.3g} ({why}), got {text!r}")
+            f"must be a positive, finite number, at most {largest:.3g} ({why}), got "
+            f"{_shown_argument(text)}")
     return value
 
 
@@ -320,7 +449,8 @@ _FLAGS = [(r"\bcheckpoint_dir\b|^checkpoint directory\b", "--checkpoint-dir"),
 def _one_line(exc: BaseException | str) -> str:
     """A message on one line (its lines joined), in the command's words (its flags)."""
     if isinstance(exc, OSError) and exc.strerror:
-        text = exc.strerror + (f": {exc.filename}" if exc.filename else "")
+        names = [os.fsdecode(n) for n in (exc.filename, exc.filename2) if n is not None]
+        text = exc.strerror + (f": {' -> '.join(names)}" if names else "")
     else:
         text = str(exc) or type(exc).__name__
     text = " ".join(text.split())
@@ -330,7 +460,7 @@ def _one_line(exc: BaseException | str) -> str:
 
 
 def _warning_line(message: Any, *args: Any, **kwargs: Any) -> None:
-    print(f"accumlab: warning: {_one_line(str(message))}", file=sys.stderr)
+    say(f"accumlab: warning: {_one_line(str(message))}", err=True)
 
 
 def _ignore_ctrl_c() -> None:
@@ -347,7 +477,10 @@ def _interrupted(args: argparse.Namespace | None) -> str:
         return "accumlab: interrupted"
     if not directory:
         return "accumlab: interrupted; no checkpoint was written (no --checkpoint-dir)"
-    done = checkpoint.list_checkpoints(directory)
+    try:
+        done = checkpoint.list_checkpoints(directory)
+    except OSError as exc:
+        return f"accumlab: interrupted; {exc.strerror or exc}"
     if not done:
         return f"accumlab: interrupted; no checkpoint was written to {directory} yet"
     return (f"accumlab: interrupted; the last checkpoint written is "
@@ -364,21 +497,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit (torch's clean-up) cannot end the process by the signal, with nothing said."""
     before = signal.getsignal(signal.SIGINT)
     args = None
+    _lost_output.clear()
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _warning_line
             args = build_parser().parse_args(argv)
-            return int(args.run(args))
+            code = int(args.run(args))
+        if _lost_output:
+            say(f"accumlab: warning: the command finished (exit {code}), but its output could "
+                f"not all be printed ({'; '.join(_lost_output)})", err=True)
+        return code
     except KeyboardInterrupt:
         _ignore_ctrl_c()  # a second Ctrl-C while the line is printed: no traceback
-        print(_interrupted(args), file=sys.stderr)
+        say(_interrupted(args), err=True)
         return 130
     except (ValueError, TypeError) as exc:
-        print(f"accumlab: error: {_one_line(exc)}", file=sys.stderr)
+        say(f"accumlab: error: {_one_line(exc)}", err=True)
         unusable = (checkpoint.CorruptCheckpointError, checkpoint.CheckpointFormatError)
         return 1 if isinstance(exc, unusable) else 2
     except (CommandError, OSError, RuntimeError, EOFError) as exc:
-        print(f"accumlab: error: {_one_line(exc)}", file=sys.stderr)
+        say(f"accumlab: error: {_one_line(exc)}", err=True)
         return 1
     finally:
         if argv is None:

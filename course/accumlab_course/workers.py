@@ -192,7 +192,7 @@ def ddp_window(
         mb = {k: v.to(count.device) for k, v in mb.items()}
         last = i == len(window) - 1
         with contextlib.nullcontext() if last else model.no_sync():  # 3. forward and backward
-            loss_sum = objective.loss_sum(model(input_ids=mb["input_ids"]).logits, mb)
+            loss_sum = objective.loss_sum(model(input_ids=mb["input_ids"]), mb)
             (loss_sum * dist.get_world_size() / count).backward()  # 2. × D: DDP averages
     return int(count)
 
@@ -222,6 +222,165 @@ def first_windows(
     """The examples of each rank's first window in :func:`one_ddp_window`, per rank."""
     per_window = micro_batch_size * accumulation_steps
     return [exs[:per_window] for exs in uneven_examples(world_size)]
+
+
+# ----------------------------------------------------------------------------- the whole window
+
+
+def amp_ddp_window(
+    model: DistributedDataParallel,
+    window: Sequence[Mapping[str, Tensor]],
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    objective: NextTokenLoss,
+    max_norm: float,
+    dtype: torch.dtype = torch.float16,
+) -> bool:
+    """One window of DDP and mixed precision by hand, boundary included. ``window`` is this
+    rank's microbatches (CPU tensors; ranks may hold different numbers of them) and holds
+    targets on some rank. Returns whether the update was applied: False when the gradient
+    holds an inf or nan, which the all-reduce hands to every rank, so all ranks skip."""
+    device = local_device()
+    count = torch.tensor(sum(objective.count(mb) for mb in window), device=device)
+    dist.all_reduce(count)  # 1. the window's targets, summed over all ranks
+    for i, mb in enumerate(window):
+        mb = {k: v.to(device) for k, v in mb.items()}
+        last = i == len(window) - 1
+        with contextlib.nullcontext() if last else model.no_sync():  # 3. one sync per window
+            with torch.autocast(device.type, dtype=dtype):  # 16-bit forward
+                output = model(input_ids=mb["input_ids"])
+            loss = objective.loss_sum(output, mb) * dist.get_world_size() / count  # 2. × D
+            scaler.scale(loss).backward()  # one scale for the whole window
+    scaler.unscale_(optimizer)  # 4. once, after the last backward: the true gradient
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)  # the same on every rank: .grad is synced
+    applied = bool(torch.isfinite(norm))
+    if applied:  # 5. clip the window's gradient, step, and advance the schedule
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+        scaler.step(optimizer)
+        scheduler.step()  # per applied update
+    scaler.update()  # the only place the scale changes: halved after an inf
+    optimizer.zero_grad(set_to_none=True)  # the next window starts from no gradient
+    return applied
+
+
+class SteppedGradients(torch.optim.SGD):
+    """SGD that also keeps a copy of the gradient each ``step`` applies (clipped, unscaled)
+    and the learning rate it used."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, lr=lr)
+        self.seen: list[tuple[float, list[Tensor]]] = []
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+        params = self.param_groups[0]["params"]
+        self.seen.append((self.param_groups[0]["lr"], [_full(p.grad, p) for p in params]))
+        return super().step(closure)
+
+
+#: Notebook 04's whole window: microbatches of 2, rank r's windows hold
+#: ``COMPOSED_MICROBATCHES[r]`` of them, 3 windows, an inf injected on rank 0 in window 1.
+COMPOSED_MICROBATCHES, COMPOSED_WINDOWS, COMPOSED_POISONED = (3, 2), 3, (1,)
+
+
+def composed_examples(
+    world_size: int = 2, microbatches: Sequence[int] = COMPOSED_MICROBATCHES
+) -> list[list[list[data.Example]]]:
+    """The examples of each window on each rank in :func:`composed_run`: ``[rank][window]``,
+    ``microbatches[r]`` microbatches of 2 per window on rank ``r``, from
+    :func:`uneven_examples` (short answers on rank 0, long ones on rank 1)."""
+    if len(microbatches) != world_size or min(microbatches) < 1:
+        raise ValueError(
+            f"microbatches needs one count of at least 1 per rank ({world_size}), got "
+            f"{list(microbatches)}"
+        )
+    per_window = [2 * n for n in microbatches]
+    pools = uneven_examples(world_size, [COMPOSED_WINDOWS * n for n in per_window])
+    return [
+        [pool[w * n : (w + 1) * n] for w in range(COMPOSED_WINDOWS)]
+        for pool, n in zip(pools, per_window, strict=True)
+    ]
+
+
+def lr_schedule(update: int) -> float:
+    """The learning-rate factor of notebook 04's whole window: ``1 / (u + 1)`` after ``u``
+    applied updates."""
+    return 1.0 / (update + 1)
+
+
+def composed_run(
+    max_norm: float = 1.0, lr: float = 0.1, microbatches: Sequence[int] = COMPOSED_MICROBATCHES
+) -> dict[str, Any]:
+    """Train :data:`COMPOSED_WINDOWS` windows of :func:`composed_examples` with
+    :func:`amp_ddp_window` (fp16 autocast, one ``GradScaler``, SGD with
+    :func:`lr_schedule`, clipping to ``max_norm``) on a fresh DDP model, an inf injected
+    into rank 0's gradient in the windows of :data:`COMPOSED_POISONED`. Returns per window
+    this rank's microbatches, the gradient syncs, whether the update was applied, the scale
+    before and after, and (applied windows) the learning rate and the gradient the
+    optimizer stepped with; and the final weights."""
+    from accumlab.checks import inject_nonfinite
+
+    rank, world = rank_and_world()
+    model = wrap(small_model(), "ddp")
+    counter = SyncCounter().attach(model)
+    optimizer = SteppedGradients(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule)
+    scaler = torch.amp.GradScaler(local_device().type)
+    objective = NextTokenLoss()
+    windows = []
+    for w, examples in enumerate(composed_examples(world, microbatches)[rank]):
+        window = data.microbatches(examples, 2)
+        poisoned = w in COMPOSED_POISONED and rank == 0
+        syncs, steps, scale = counter.syncs, len(optimizer.seen), scaler.get_scale()
+        with inject_nonfinite(model.module.lm_head.weight) if poisoned else contextlib.nullcontext():
+            applied = amp_ddp_window(model, window, optimizer, scaler, scheduler, objective, max_norm)
+        stepped = optimizer.seen[steps:]
+        windows.append({
+            "microbatches": len(window), "syncs": counter.syncs - syncs, "applied": applied,
+            "scale_before": scale, "scale_after": scaler.get_scale(),
+            "lr": stepped[0][0] if stepped else None,
+            "gradient": dict(zip(_param_names(model), stepped[0][1], strict=True)) if stepped else None,
+        })  # fmt: skip
+    weights = {_name(n): _full(p.detach(), p) for n, p in model.named_parameters()}
+    return {"rank": rank, "windows": windows, "weights": weights}
+
+
+def _param_names(model: nn.Module) -> list[str]:
+    return [_name(n) for n, _ in model.named_parameters()]
+
+
+def full_batch_run(
+    windows: Sequence[Sequence[data.Example]],
+    applied: Sequence[bool],
+    max_norm: float = 1.0,
+    lr: float = 0.1,
+) -> dict[str, Any]:
+    """The single-process reference of :func:`composed_run`: one process, float32, each
+    window's examples of every rank as one batch (:func:`token_mean_gradient`), the
+    gradient clipped to ``max_norm``, SGD with :func:`lr_schedule`; the windows marked not
+    ``applied`` are skipped. Returns the clipped gradient of each applied window (None for a
+    skipped one) and the final weights."""
+    model = small_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule)
+    gradients: list[dict[str, Tensor] | None] = []
+    for examples, apply in zip(windows, applied, strict=True):
+        if not apply:
+            gradients.append(None)
+            continue
+        grads = token_mean_gradient(model, examples)
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+        grads = {k: g * min(1.0, max_norm / (norm + 1e-6)) for k, g in grads.items()}
+        for name, p in model.named_parameters():
+            p.grad = grads[_name(name)].clone()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        gradients.append(grads)
+    weights = {_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    return {"gradients": gradients, "weights": weights}
 
 
 #: Exercise ``ex04.uneven_window``: per window, the ranks whose microbatches have no
@@ -413,8 +572,8 @@ def window_variant(
         skip = i < len(window) - 1  # every microbatch but the last may skip the sync
         mb = {k: v.to(device) for k, v in mb.items()}
         with model.no_sync() if skip and "forward" in no_sync_around else contextlib.nullcontext():
-            logits = model(input_ids=mb["input_ids"]).logits
-            loss = objective.loss_sum(logits, mb) * factor / denominator
+            output = model(input_ids=mb["input_ids"])
+            loss = objective.loss_sum(output, mb) * factor / denominator
         with model.no_sync() if skip and "backward" in no_sync_around else contextlib.nullcontext():
             loss.backward()
 

@@ -294,3 +294,77 @@ def _refusal(state: dict[str, Any], **kwargs: Any) -> str:
     with pytest.raises(ValueError, match="cannot resume from this checkpoint") as info:
         checkpoint.check_compatible(state, precision="fp32", scaler=None, **kwargs)
     return str(info.value)
+
+
+def test_a_refusal_holds_each_difference_with_both_values() -> None:
+    """``ResumeMismatchError.differences``: what a caller names in its own words (the
+    command names its flags), each with the checkpoint's value and the given one."""
+    config = workers.Config()
+    run = workers.build(config)
+    state = checkpoint.Checkpointer(TrainSettings(), run["model"], run["optimizer"], None,
+                                    run["plan"], run["data"]).state()
+    run["optimizer"].param_groups[0]["lr"] = 0.5
+    settings = {**checkpoint.run_settings(run["optimizer"], TrainSettings(clip_grad_norm=2.0)),
+                "seed": state["settings"]["seed"]}
+    with pytest.raises(checkpoint.ResumeMismatchError) as info:
+        checkpoint.check_compatible(state, plan=al.AccumulationPlan(4, 2), model=run["model"],
+                                    world_size=1, precision="bf16", scaler=None, settings=settings)
+    found = {(d.what, d.saved, d.now) for d in info.value.differences}
+    assert found == {("plan.micro_batch_size", 2, 4), ("plan.effective_batch_size", 4, 8),
+                     ("precision", "fp32", "bf16"), ("clip_grad_norm", None, 2.0),
+                     ("optimizer.param_groups[0].lr", run["optimizer"].defaults["lr"], 0.5)}
+    assert str(info.value) == (
+        "cannot resume from this checkpoint, the run differs from the one that wrote it: "
+        + "; ".join(d.text for d in info.value.differences) + f". {checkpoint.compare._FIX}")
+
+
+# --------------------------------------------------------------- file system errors name the file
+
+
+def test_a_checkpoint_that_cannot_be_opened_is_named_not_called_damaged(tmp_path: Path) -> None:
+    """A directory at a checkpoint's name (or no permission) is no damaged checkpoint: an
+    OSError saying what could not be done to which file."""
+    path = checkpoint.checkpoint_path(tmp_path, 1)
+    path.mkdir()
+    with pytest.raises(OSError) as info:
+        checkpoint.load_checkpoint(path)
+    assert not isinstance(info.value, checkpoint.CorruptCheckpointError)
+    assert info.value.strerror == f"cannot read checkpoint {path}: Is a directory"
+
+
+def test_a_checkpoint_directory_that_cannot_be_made_is_named(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(OSError) as info:
+        checkpoint.save_checkpoint({"format": checkpoint.FORMAT}, tmp_path / "afile" / "ckpt", 1)
+    assert info.value.strerror == (
+        f"cannot create the checkpoint directory {tmp_path / 'afile' / 'ckpt'}: Not a directory")
+
+
+def test_a_rotation_that_cannot_delete_an_old_checkpoint_names_it(tmp_path: Path, monkeypatch: Any) -> None:
+    for attempts in (1, 2):
+        checkpoint.save_checkpoint({"format": checkpoint.FORMAT}, tmp_path, attempts)
+    oldest = checkpoint.checkpoint_path(tmp_path, 1)
+    real_unlink = Path.unlink
+
+    def read_only(self: Path, missing_ok: bool = False) -> None:
+        if self == oldest:
+            raise PermissionError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with pytest.raises(OSError) as info:
+        checkpoint.save_checkpoint({"format": checkpoint.FORMAT}, tmp_path, 3)
+    assert info.value.strerror == (
+        f"cannot delete {oldest} (a checkpoint older than the newest 2, or a write's leftover), "
+        "after writing checkpoint-00000003-rank0.pt: Read-only file system")
+    assert checkpoint.list_checkpoints(tmp_path) == [3, 2, 1]  # the new one is written
+
+
+def test_a_directory_that_cannot_be_listed_is_named(tmp_path: Path, monkeypatch: Any) -> None:
+    def no_permission(self: Path) -> Any:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+
+    monkeypatch.setattr(Path, "iterdir", no_permission)
+    with pytest.raises(OSError) as info:
+        checkpoint.list_checkpoints(tmp_path)
+    assert info.value.strerror == f"cannot list the checkpoints in {tmp_path}: Permission denied"

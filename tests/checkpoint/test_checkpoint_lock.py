@@ -11,6 +11,7 @@ ones two scripts meet) and start the second run at a random offset into the firs
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -446,9 +447,10 @@ def test_a_deleted_lock_file_stops_the_run_at_its_next_write_and_spares_the_new_
     other.join(30)
     assert str(info.value) == (
         f"checkpoint directory {tmp_path} is no longer this run's: its lock file {tmp_path / LOCK} "
-        "was deleted or replaced while the run lived, so another run may be writing there; this "
-        "run stopped before writing another checkpoint. Let one run at a time use the directory, "
-        "then resume"
+        f"was replaced by another while the run lived (which names process {other.pid} on host "
+        f"{socket.gethostname()!r}, started {b_record['started']}), so another run may be writing "
+        "there; this run stopped before writing another checkpoint. Let one run at a time use the "
+        "directory, then resume"
     )
     assert checkpoint.list_checkpoints(tmp_path) == [1]  # nothing written after the loss
     assert not (tmp_path / LOCK).exists()  # B let go of its own
@@ -470,3 +472,217 @@ def test_a_release_deletes_only_its_own_lock_file(tmp_path: Path) -> None:
         release.set()
         holder.join(30)
     assert not (tmp_path / LOCK).exists()
+
+
+# ----------------------------------------------------------------- a lock file that is no record
+
+
+#: Bytes found in a lock file, and what the warning must say is wrong with them.
+UNREADABLE = {
+    "not UTF-8": (b"\xff\xfe lock", "its bytes are not UTF-8 text (byte 0xff at offset 0)"),
+    "NUL bytes": (b"\x00" * 16, "it holds NUL bytes, the first at offset 0"),
+    "a JSON string": (b'"12345"', "it holds a JSON str, not an object naming a pid and a host"),
+    "not JSON": (b"zzz", "it is not JSON (Expecting value at character 0): b'zzz'"),
+    "a JSON list": (b"[1, 2]", "it holds a JSON list, not an object naming a pid and a host"),
+    "too long": (b"{" + b" " * 5000, "it holds over 4096 bytes, a record about 100"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNREADABLE))
+def test_a_lock_file_that_is_no_record_is_taken_over_naming_what_is_wrong(tmp_path: Path, case: str) -> None:
+    """Not "a process that has not written its name yet ... killed?", which is what an
+    empty file means: the warning names the file and what its bytes are."""
+    content, why = UNREADABLE[case]
+    (tmp_path / LOCK).write_bytes(content)
+    with pytest.warns(UserWarning) as caught:
+        with checkpoint.DirectoryLock(tmp_path) as held:
+            assert json.loads((tmp_path / LOCK).read_text()) == held.record
+    (warning,) = caught
+    message = str(warning.message)
+    assert message.startswith(f"checkpoint directory {tmp_path}: taking over the lock file "
+                              f"{tmp_path / LOCK}, whose record is corrupt ({why}"), message
+    assert message.endswith("and which no process holds; this run owns the directory now")
+    assert "not written its name" not in message
+    assert not (tmp_path / LOCK).exists()
+
+
+def _hold_then_report(directory: str, ready: Any, overwritten: Any, out: Any) -> None:
+    """A run that holds the lock until its file is overwritten, then checks it (as before a
+    checkpoint write) and sends what it was told."""
+    with checkpoint.DirectoryLock(directory) as held:
+        ready.set()
+        overwritten.wait(30)
+        try:
+            lock_module.check_still_held(held, directory)
+            out.send("still held")
+        except checkpoint.CheckpointDirectoryInUseError as exc:
+            out.send(str(exc))
+
+
+def test_a_live_runs_lock_overwritten_with_garbage_is_named_on_both_sides(tmp_path: Path) -> None:
+    ready, overwritten = FORK.Event(), FORK.Event()
+    receive, send = FORK.Pipe(duplex=False)
+    holder = FORK.Process(target=_hold_then_report, args=(str(tmp_path), ready, overwritten, send))
+    holder.start()
+    try:
+        assert ready.wait(30)
+        (tmp_path / LOCK).write_bytes(b"zzz")  # the same file, its bytes replaced
+        with pytest.raises(checkpoint.CheckpointDirectoryInUseError) as info:
+            checkpoint.DirectoryLock(tmp_path).acquire()
+    finally:
+        overwritten.set()
+    assert receive.poll(30)
+    told = receive.recv()
+    holder.join(30)
+    corrupt = "a corrupt lock record (it is not JSON (Expecting value at character 0): b'zzz')"
+    assert str(info.value).startswith(
+        f"checkpoint directory {tmp_path} is in use by another run: {corrupt} (lock file {tmp_path / LOCK})")
+    assert told.startswith(f"checkpoint directory {tmp_path} is no longer this run's: its lock file "
+                           f"{tmp_path / LOCK} was overwritten while the run lived (it now names {corrupt}), ")
+
+
+# ----------------------------------------------------------------- a lock path that is no regular file
+
+
+def _not_a_lock(tmp_path: Path, kind: str) -> tuple[Path, str]:
+    """Put ``kind`` at the lock path of ``tmp_path / "ckpt"``; the words naming it."""
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    lock = directory / LOCK
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a learner's notes\n")
+    (tmp_path / "elsewhere").mkdir()
+    if kind == "symlink to a file":
+        lock.symlink_to(notes)
+        return directory, f"a symlink to {notes}"
+    if kind == "dangling symlink":
+        lock.symlink_to(tmp_path / "nowhere")
+        return directory, f"a symlink to {tmp_path / 'nowhere'}"
+    if kind == "symlink to a directory":
+        lock.symlink_to(tmp_path / "elsewhere")
+        return directory, f"a symlink to {tmp_path / 'elsewhere'}"
+    if kind == "symlink loop":
+        lock.symlink_to(lock)
+        return directory, f"a symlink to {lock}"
+    if kind == "directory":
+        lock.mkdir()
+        return directory, "a directory"
+    os.mkfifo(lock)
+    return directory, "a FIFO (named pipe)"
+
+
+NOT_A_LOCK = ["symlink to a file", "dangling symlink", "symlink to a directory", "symlink loop",
+              "directory", "fifo"]
+
+
+@pytest.mark.parametrize("kind", NOT_A_LOCK)
+def test_a_lock_path_that_is_no_regular_file_is_named_and_never_written_through(tmp_path: Path, kind: str) -> None:
+    """A symlink at the lock's name is never followed (a link to a learner's file had the
+    lock record written into it, then the link deleted), a dangling one is not "other
+    processes keep creating and deleting it", a directory or a loop is not a bare "Is a
+    directory" or "Too many levels of symbolic links", and a FIFO not "Illegal seek" (or
+    a read that never returns): one error naming the file, what it is and what to do."""
+    directory, what = _not_a_lock(tmp_path, kind)
+    before = os.lstat(directory / LOCK)
+    with pytest.raises(OSError) as info:
+        checkpoint.DirectoryLock(directory).acquire()
+    assert info.value.strerror == (
+        f"the lock file {directory / LOCK} is {what}, not a lock a run made (a run creates its "
+        "lock itself, as a regular file, and never writes through a symlink: that would overwrite "
+        f"the file it points to); remove it once no run uses checkpoint directory {directory}, and "
+        "run again")
+    after = os.lstat(directory / LOCK)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)  # left as it was
+    assert (tmp_path / "notes.txt").read_text() == "a learner's notes\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "elsewhere", "notes.txt"]
+
+
+def test_the_cli_names_a_symlinked_lock_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    directory, what = _not_a_lock(tmp_path, "symlink to a file")
+    code = cli.main(["train", "--updates", "1", "--micro", "2", "--steps", "2", "--examples", "8",
+                     "--checkpoint-dir", str(directory), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.count("\n") == 1 and err.startswith(f"accumlab: error: the lock file {directory / LOCK} is {what}, ")
+    assert (tmp_path / "notes.txt").read_text() == "a learner's notes\n"
+
+
+# ----------------------------------------------------------------- nothing left behind
+
+
+@pytest.fixture
+def full_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system that is full: new (empty) files and directories can still be made,
+    as on most file systems, but no byte can be written (``os.write``: ENOSPC)."""
+
+    def no_space(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(lock_module.os, "write", no_space)
+
+
+def test_a_full_disk_when_taking_the_lock_names_it_and_leaves_nothing(tmp_path: Path, full_disk: None) -> None:
+    """The empty lock file it created is removed (the next run warned of "a process that
+    has not written its name yet ... killed?"), and so are the directories it made."""
+    directory = tmp_path / "runs" / "ckpt"
+    with pytest.raises(OSError) as info:
+        checkpoint.DirectoryLock(directory).acquire()
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.strerror == f"cannot write the lock file {directory / LOCK}: No space left on device"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_is_one_line_naming_the_lock_file(tmp_path: Path, full_disk: None, capsys: pytest.CaptureFixture[str]) -> None:
+    directory = tmp_path / "ckpt"
+    code = cli.main(["train", "--updates", "1", "--micro", "2", "--steps", "2", "--examples", "8",
+                     "--checkpoint-dir", str(directory), "--quiet"])
+    assert code == 1
+    assert capsys.readouterr().err == (
+        f"accumlab: error: cannot write the lock file {directory / LOCK}: No space left on device\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_directory_it_made(tmp_path: Path) -> None:
+    config = workers.Config()
+
+    def fail(report: al.UpdateReport) -> None:
+        raise RuntimeError("a failing callback")
+
+    with pytest.raises(RuntimeError, match="a failing callback"):
+        workers.train(workers.build(config), config, checkpoint_dir=tmp_path / "runs" / "ckpt", on_update=fail)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "mine").mkdir()  # one the user made stays, empty or not
+    with pytest.raises(RuntimeError, match="a failing callback"):
+        workers.train(workers.build(config), config, checkpoint_dir=tmp_path / "mine", on_update=fail)
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"] and not any((tmp_path / "mine").iterdir())
+
+
+def test_a_nul_byte_in_checkpoint_dir_names_the_argument_and_the_path() -> None:
+    run = workers.build(workers.Config())
+
+    def never() -> Any:
+        raise AssertionError("data was read")
+        yield
+
+    with pytest.raises(ValueError) as info:
+        workers.train(run, workers.Config(), never(), checkpoint_dir="runs/a\0b")
+    assert str(info.value) == ("checkpoint_dir 'runs/a\\x00b' holds a NUL byte (at position 6), "
+                               "which no file system takes in a path; give a directory without one")
+
+
+def test_a_live_runs_lock_replaced_by_a_symlink_to_it_is_no_longer_its_own(tmp_path: Path) -> None:
+    """The lock file moved away and a symlink to it put at its name: the same file through
+    the link, but not at the name the run owns (another run would not see it there); the
+    run stops before its next write, naming the symlink, and leaves both alone."""
+    held = checkpoint.DirectoryLock(tmp_path).acquire()
+    (tmp_path / "elsewhere").mkdir()
+    moved = tmp_path / "elsewhere" / "lock"
+    os.rename(tmp_path / LOCK, moved)
+    (tmp_path / LOCK).symlink_to(moved)
+    try:
+        with pytest.raises(checkpoint.CheckpointDirectoryInUseError) as info:
+            lock_module.check_still_held(held, tmp_path)
+    finally:
+        held.release()
+    assert f"its lock file {tmp_path / LOCK} was replaced by a symlink to {moved} while the run lived" in str(info.value)
+    assert (tmp_path / LOCK).is_symlink() and json.loads(moved.read_text()) == held.record

@@ -77,7 +77,7 @@ def test_parameters_the_model_does_not_name_are_compared_by_shape_in_order(tmp_p
     state = {"settings": checkpoint.run_settings(torch.optim.Adam(tensors), None)}
     swapped = checkpoint.run_settings(torch.optim.Adam(tensors[::-1]), None)
     assert state["settings"]["param_names"] == [[None, None]]
-    problems = checkpoint.compare._setting_differences(state["settings"], swapped)
+    problems = [d.text for d in checkpoint.compare._setting_differences(state["settings"], swapped)]
     assert problems[:2] == [
         "optimizer param_groups[0] params[0]: [3, 4] in the checkpoint, [5] now",
         "optimizer param_groups[0] params[1]: [5] in the checkpoint, [3, 4] now",

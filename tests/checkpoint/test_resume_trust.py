@@ -243,39 +243,6 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(damage: str,
     assert workers.mismatches(straight, workers.snapshot(second, ledger)) == []
 
 
-@pytest.mark.distributed
-def test_two_ranks_fall_back_together_when_one_rank_cannot_read_its_newest(tmp_path: Path) -> None:
-    import accumlab as al
-
-    ranks = al.distributed.launch(workers.two_rank_fallback, 2, (str(tmp_path),), deadline_s=120)
-    for result in ranks:
-        assert workers.mismatches(result["straight"], result["resumed"]) == []
-        assert len(result["warnings"]) == 1
-        assert result["newest"] == 4  # trained on from 3, and wrote 4 again
-    assert "checkpoint-00000004-rank0.pt is not intact" in ranks[0]["warnings"][0]
-    assert "checkpoint-00000004-rank1.pt is intact, but rank(s) [0] cannot read theirs" in ranks[1]["warnings"][0]
-
-
-@pytest.mark.distributed
-def test_two_fsdp2_ranks_resume_bit_identical(tmp_path: Path) -> None:
-    """The checksum covers each rank's shards (DTensors) of the weights and optimizer state."""
-    import accumlab as al
-
-    ranks = al.distributed.launch(workers.two_rank_fsdp2_resume, 2, (str(tmp_path),), deadline_s=120)
-    for result in ranks:
-        assert workers.mismatches(result["straight"], result["resumed"]) == []
-        assert result["resumed"]["ledger"]["update_attempts"] == 4
-
-
-@pytest.mark.distributed
-def test_a_setting_changed_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
-    import accumlab as al
-
-    errors = al.distributed.launch(workers.two_rank_refusal, 2, (str(tmp_path),), deadline_s=120, timeout_s=30)
-    assert "rank(s) [1] differ from the run that wrote it" in errors[0]
-    assert "optimizer param_groups[0]['lr']: 0.003 in the checkpoint, 0.1 now" in errors[1]
-
-
 def test_no_intact_checkpoint_is_one_error_naming_the_files(tmp_path: Path) -> None:
     config = workers.Config()
     interrupted(config, tmp_path, 3)

@@ -6,6 +6,7 @@ plain text."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -45,18 +46,20 @@ def ckpt_run(tmp_path):
 
 # --- a resume never runs or records a setting other than the checkpoint's -----------------
 
-#: Each flag a resume must keep, a changed value, and what the checkpoint's own check
-#: (accumlab.checkpoint.compare) names when it refuses it: the plan, the data digests,
-#: torch's seed, the optimizer's hyper-parameters, the precision, the clipping.
+#: Each flag a resume must keep, a changed value, and how the refusal names it: the flag
+#: as typed, the checkpoint's value and the new one (the checkpoint does not record
+#: --examples: its line names the flag, the new value and the first window that differs).
 CHANGED = [
-    ("--micro", "4", "plan: micro_batch_size 2 in the checkpoint, 4 now"),
-    ("--steps", "4", "plan: accumulation_steps 2 in the checkpoint, 4 now"),
-    ("--last-window", "drop", "plan: last_window 'update' in the checkpoint, 'drop' now"),
-    ("--examples", "20", "window 0 (loader microbatches 0-1) holds other examples than the run"),
-    ("--seed", "1", "seed (torch.initial_seed()): 0 in the checkpoint, 1 now"),
-    ("--precision", "bf16", "precision: 'fp32' in the checkpoint, 'bf16' now"),
-    ("--lr", "0.1", "param_groups[0]['lr']: 0.003 in the checkpoint, 0.1 now"),
-    ("--clip", "0.5", "--clip: None in the checkpoint, 0.5 now"),
+    ("--micro", "4", "--micro: 2 in the checkpoint, 4 now"),
+    ("--steps", "4", "--steps: 2 in the checkpoint, 4 now"),
+    ("--last-window", "drop", "--last-window: update in the checkpoint, drop now"),
+    ("--examples", "20", "--examples 20 now, but the data is not the checkpoint's run's (window 0 "
+                         "(loader microbatches 0-1) holds other examples than the run"),
+    ("--seed", "1", "--seed: 0 in the checkpoint, 1 now"),
+    ("--precision", "bf16", "--precision: fp32 in the checkpoint, bf16 now"),
+    ("--precision", "fp16", "--precision: fp32 in the checkpoint, fp16 now"),
+    ("--lr", "0.1", "--lr: 0.003 in the checkpoint, 0.1 now"),
+    ("--clip", "0.5", "--clip: not given in the checkpoint, 0.5 now"),
 ]
 
 
@@ -64,6 +67,9 @@ CHANGED = [
 @pytest.mark.parametrize(("flag", "value", "named"), CHANGED)
 def test_resume_refuses_a_changed_setting_naming_it(ckpt_run, tmp_path, capsys, flag, value,
                                                     named, updates):
+    """In the command's words: the flag as typed, never the checkpoint's own names of what
+    it compares (``plan: micro_batch_size``, ``optimizer param_groups[0]['lr']``, the
+    GradScaler that --precision fp16 brings, the effective batch that --micro changes)."""
     before = {p.name: p.read_bytes() for p in ckpt_run.iterdir()}
     record = tmp_path / "resumed.json"
     code = main([*SMALL, "--updates", updates, "--checkpoint-dir", str(ckpt_run), "--resume",
@@ -71,10 +77,21 @@ def test_resume_refuses_a_changed_setting_naming_it(ckpt_run, tmp_path, capsys, 
     assert code == 2
     captured = capsys.readouterr()
     line = one_line(captured.err)
-    assert line.startswith("accumlab: error: ") and named in line, line
+    assert line.startswith(f"accumlab: error: cannot resume from the checkpoint in {ckpt_run}: "
+                           "the run that wrote it had other flags: " + named), line
+    for library_words in ("plan:", "param_groups", "initial_seed", "GradScaler", "effective"):
+        assert library_words not in line, line
     assert "another --checkpoint-dir" in line  # the other way out: a new run directory
     assert not record.exists()  # nothing recorded for a run that did not happen
     assert {p.name: p.read_bytes() for p in ckpt_run.iterdir()} == before  # nothing written
+
+
+def test_a_resume_names_every_changed_flag(ckpt_run, capsys):
+    assert main([*SMALL, "--updates", "4", "--checkpoint-dir", str(ckpt_run), "--resume",
+                 "--micro", "4", "--lr", "0.1", "--clip", "2"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert ("had other flags: --micro: 2 in the checkpoint, 4 now; --clip: not given in the "
+            "checkpoint, 2.0 now; --lr: 0.003 in the checkpoint, 0.1 now. ") in line, line
 
 
 def test_resume_with_the_same_settings_still_runs(ckpt_run, tmp_path, capsys):
@@ -173,15 +190,6 @@ def test_a_fifo_put_at_the_record_path_during_training_is_left_alone(tmp_path, c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]  # no temp file left
 
 
-def test_record_fifo_from_the_command_line(tmp_path):
-    fifo = tmp_path / "pipe"
-    os.mkfifo(fifo)
-    result = commands.run(*TINY, "--record", str(fifo), "--force")
-    assert result.returncode == 1
-    assert "not a regular file" in one_line(result.stderr)
-    assert fifo.is_fifo()
-
-
 # --- the record and the checkpoints must not collide (checked before training) -------------
 
 
@@ -209,31 +217,25 @@ def test_a_record_beside_the_checkpoints_is_fine(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty"])
-def test_a_corrupt_newest_checkpoint_is_one_line(tmp_path, damage):
-    ckpt = tmp_path / "ckpt"
-    first = commands.run(*SMALL, "--updates", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1")
-    assert first.returncode == 0, first.stderr
-    newest = ckpt / "checkpoint-00000002-rank0.pt"
+def test_a_corrupt_newest_checkpoint_is_one_line(ckpt_run, capsys, damage):
+    newest = ckpt_run / "checkpoint-00000002-rank0.pt"
     data = newest.read_bytes()
     newest.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"")
-    result = commands.run(*SMALL, "--updates", "3", "--checkpoint-dir", str(ckpt), "--resume")
     # the library falls back to the previous checkpoint, and the command says so in one line
-    assert result.returncode == 0, result.stderr
-    line = one_line(result.stderr)
+    assert main([*SMALL, "--updates", "3", "--checkpoint-dir", str(ckpt_run), "--resume"]) == 0
+    captured = capsys.readouterr()
+    line = one_line(captured.err)
     assert line.startswith("accumlab: warning: ") and newest.name in line, line
-    assert "3 update attempts" in result.stdout
+    assert "| update_attempts | 3 |" in captured.out
 
 
-def test_every_checkpoint_damaged_from_the_command_line(tmp_path):
+def test_every_checkpoint_damaged_is_one_line_and_exit_1(ckpt_run, capsys):
     """The library raises one error naming every damaged file (no warning before it): one
     line, exit 1 (not a usage error)."""
-    ckpt = tmp_path / "ckpt"
-    assert commands.run(*SMALL, "--updates", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1").returncode == 0
     for name in ("checkpoint-00000001-rank0.pt", "checkpoint-00000002-rank0.pt"):
-        (ckpt / name).write_bytes(b"")
-    result = commands.run(*SMALL, "--updates", "3", "--checkpoint-dir", str(ckpt), "--resume")
-    assert result.returncode == 1
-    line = one_line(result.stderr)
+        (ckpt_run / name).write_bytes(b"")
+    assert main([*SMALL, "--updates", "3", "--checkpoint-dir", str(ckpt_run), "--resume"]) == 1
+    line = one_line(capsys.readouterr().err)
     assert line.startswith("accumlab: error: no intact checkpoint in ")
     assert "checkpoint-00000001" in line and "checkpoint-00000002" in line
 
@@ -251,47 +253,40 @@ def test_a_checkpoint_of_another_format_is_one_line_and_exit_1(ckpt_run, capsys)
     assert line.endswith("start the run in a new --checkpoint-dir"), line
 
 
-#: Runs the command with a file-size limit (``ulimit -f``): ``python LIMITED BYTES ARGS``.
-LIMITED = """import resource, signal, sys
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
-resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]),) * 2)
-from accumlab_course.cli import main
-sys.exit(main(sys.argv[2:]))
-"""
+@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE and fork")
+def test_a_file_size_limit_during_a_checkpoint_write_names_the_file(tmp_path, capsys):
+    """Checkpoints grow with every attempt (the ledger), so a file-size limit between the
+    sizes of checkpoints 2 and 3 lets 1 and 2 be written and stops 3: one line naming
+    checkpoint 3 and the limit, 1 and 2 left intact; the resume trains attempt 3 and fails
+    on the same write with the same line (not "before the first update attempt"); without
+    the limit the resume ends with the record of a run never stopped.
 
-
-@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE")
-def test_a_file_size_limit_during_a_checkpoint_write_names_the_file(tmp_path):
-    """Checkpoints grow a little with every attempt (the ledger), so a limit of checkpoint
-    2's size lets 1 and 2 be written and stops 3: one line naming checkpoint 3 and the
-    limit, 1 and 2 left intact; the resume trains attempt 3 and fails on the same write
-    with the same line (not "before the first update attempt"); without the limit the
-    resume ends with the record of a run never stopped."""
-    sizes = []
-    for n in (2, 3):
-        done = commands.run(*SMALL, "--updates", str(n), "--checkpoint-dir", str(tmp_path / f"s{n}"))
-        assert done.returncode == 0, done.stderr
-        sizes.append(checkpoint.checkpoint_path(tmp_path / f"s{n}", n).stat().st_size)
-    assert sizes[1] > sizes[0]
-    script = tmp_path / "limited.py"
-    script.write_text(LIMITED)
+    Each limited run is a child forked from this process with its own limit. The sizes
+    come from a run in a child like them: a checkpoint holds the state of Python's
+    ``random``, whose pickled size (and so the checkpoint's, by 64 bytes at a time) differs
+    from one interpreter's seed to another's, where the checkpoints grow by 128 bytes an
+    attempt; the children seed it alike, so the sizes are the same in every child."""
+    sized = tmp_path / "sized"
+    done = commands.forked(*SMALL, "--updates", "3", "--checkpoint-dir", str(sized), "--checkpoint-every", "1")
+    assert done.returncode == 0, done.stderr
+    second, third = (checkpoint.checkpoint_path(sized, n).stat().st_size for n in (2, 3))
+    assert second < third
     ckpt = tmp_path / "ckpt"
     flags = [*SMALL, "--updates", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
-    third = checkpoint.checkpoint_path(ckpt, 3)
+    third_path = checkpoint.checkpoint_path(ckpt, 3)
     for resume in ([], ["--resume"]):
-        result = commands.run(*flags, *resume, prefix=[str(script), str(sizes[0])])
-        assert result.returncode == 1
+        result = commands.forked(*flags, *resume, file_size_limit=(second + third) // 2)
+        assert result.returncode == 1, result.stderr
         line = one_line(result.stderr)
-        assert line == (f"accumlab: error: cannot write {third}: File too large (over a file-size "
-                        "limit: the process's `ulimit -f`, or the file system's); the checkpoints "
-                        "written before it are intact"), line
+        assert line == (f"accumlab: error: cannot write {third_path}: File too large (over a "
+                        "file-size limit: the process's `ulimit -f`, or the file system's); the "
+                        "checkpoints written before it are intact"), line
         assert checkpoint.list_checkpoints(ckpt) == [2, 1]
         assert sorted(p.name for p in ckpt.iterdir()) == [
             "checkpoint-00000001-rank0.pt", "checkpoint-00000002-rank0.pt"]  # no temp, no lock
         checkpoint.load_checkpoint(checkpoint.checkpoint_path(ckpt, 2))  # intact
-    resumed = commands.run(*flags, "--resume", "--record", str(tmp_path / "resumed.json"))
-    straight = commands.run(*flags[:-4], "--record", str(tmp_path / "straight.json"))
-    assert resumed.returncode == 0 == straight.returncode, resumed.stderr + straight.stderr
+    assert main([*flags, "--resume", "--record", str(tmp_path / "resumed.json")]) == 0
+    assert main([*flags[:-4], "--record", str(tmp_path / "straight.json")]) == 0
     assert json.loads((tmp_path / "resumed.json").read_text()) == json.loads((tmp_path / "straight.json").read_text())
 
 
@@ -342,6 +337,105 @@ def test_any_failure_of_training_is_one_line(monkeypatch, capsys, error):
     monkeypatch.setattr(accumlab.driver, "train", fail)
     assert main(TINY) != 0
     assert one_line(capsys.readouterr().err) == "accumlab: error: it broke second line"
+
+
+# --- odd bytes in paths, a terminal that cannot show them, output that fails ----------------
+
+
+def test_a_path_that_is_not_utf8_is_printed_and_a_finished_run_exits_0(tmp_path, capsys):
+    """A checkpoint directory and a record whose names hold bytes that are not UTF-8 (as a
+    file copied from another system may), printed on a UTF-8 stdout: the bytes show as
+    \\xff, and the run that wrote its record exits 0 (it was exit 2, "bad arguments",
+    after the record was written: printing the path raised UnicodeEncodeError)."""
+    odd = os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9-\xff")  # latin-1 "café", then 0xff
+    ckpt, record = odd + "/ckpt", odd + "/run.json"
+    assert main([*TINY, "--checkpoint-dir", ckpt, "--record", record]) == 0
+    assert main([*TINY, "--updates", "2", "--checkpoint-dir", ckpt, "--resume", "--record", record,
+                 "--force"]) == 0
+    shown = f"{tmp_path}/caf\\xe9-\\xff"
+    out = capsys.readouterr().out
+    assert f"resuming from {shown}/ckpt/checkpoint-00000001-rank0.pt" in out
+    assert f"run record written to {shown}/run.json" in out
+    assert json.loads(Path(record).read_text())["update_attempts"] == 2
+
+
+def test_characters_the_terminal_cannot_show_are_escaped(tmp_path, capsys, monkeypatch):
+    """A valid UTF-8 name on a terminal whose encoding lacks its characters (latin-1)."""
+    import io
+
+    latin1 = io.TextIOWrapper(io.BytesIO(), encoding="latin-1")
+    monkeypatch.setattr(sys, "stdout", latin1)
+    record = tmp_path / "日本-ü.json"
+    assert main([*TINY, "--record", str(record)]) == 0
+    latin1.flush()
+    out = latin1.buffer.getvalue().decode("latin-1")
+    assert f"run record written to {tmp_path}/\\u65e5\\u672c-ü.json" in out
+    assert json.loads(record.read_text())["update_attempts"] == 1
+
+
+def test_a_stdout_that_fails_does_not_fail_a_finished_run(tmp_path, capsys, monkeypatch):
+    """stdout on a full disk (``> /dev/full``): the run finished and wrote its record, so
+    it exits 0, saying on stderr that its output was lost (it was exit 1, "No space left
+    on device", the record written)."""
+    full = open("/dev/full", "w")  # noqa: SIM115 (closed below)
+    monkeypatch.setattr(sys, "stdout", full)
+    try:
+        assert main([*TINY, "--record", str(tmp_path / "run.json")]) == 0
+    finally:
+        monkeypatch.undo()
+        with contextlib.suppress(OSError):
+            full.close()
+    assert json.loads((tmp_path / "run.json").read_text())["update_attempts"] == 1
+    assert one_line(capsys.readouterr().err) == (
+        "accumlab: warning: the command finished (exit 0), but its output could not all be "
+        "printed (stdout: No space left on device)")
+
+
+@pytest.mark.parametrize("flag", ["--examples", "--updates", "--seed"])
+def test_a_number_of_5000_digits_is_called_too_large(flag, capsys):
+    """Not "must be a whole number, got '777...'" (5,000 digits quoted) because Python's
+    int() reads at most 4,300 digits."""
+    with pytest.raises(SystemExit) as exit_:
+        main([*TINY, flag, "7" * 5000])
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith(f"accumlab train: error: argument {flag}: must be a whole number")
+    assert last.endswith(", got a number of 5000 digits (too large)"), last
+
+
+def test_a_record_path_that_cannot_be_looked_up_names_it(tmp_path, capsys, no_training):
+    loop = tmp_path / "run.json"
+    loop.symlink_to(loop)
+    assert main([*TINY, "--record", str(loop)]) == 1
+    assert one_line(capsys.readouterr().err) == (
+        f"accumlab: error: cannot look up --record {loop}: Too many levels of symbolic links")
+
+
+def test_a_failed_run_leaves_no_directory_it_made(tmp_path, capsys, monkeypatch):
+    """The record's directories, made before training to prove it can be written, and the
+    checkpoint directory go again when the run fails before writing anything there."""
+    import accumlab.driver
+
+    real_train = accumlab.driver.train
+
+    def fail_in_training(*args, **kwargs):
+        kwargs["on_update"] = lambda report: (_ for _ in ()).throw(RuntimeError("it broke"))
+        return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(accumlab.driver, "train", fail_in_training)
+    assert main([*TINY, "--record", str(tmp_path / "runs" / "new" / "run.json"),
+                 "--checkpoint-dir", str(tmp_path / "runs" / "ckpt")]) == 1
+    assert one_line(capsys.readouterr().err) == "accumlab: error: it broke"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_dir_that_is_a_dangling_symlink_says_so(tmp_path, capsys):
+    link = tmp_path / "ckpt"
+    link.symlink_to(tmp_path / "gone")
+    assert main([*TINY, "--checkpoint-dir", str(link)]) == 1
+    assert one_line(capsys.readouterr().err) == (
+        f"accumlab: error: cannot write checkpoints to --checkpoint-dir {str(link)!r} (it is a "
+        f"symlink to {tmp_path / 'gone'}, which does not exist); give a directory you can write to")
 
 
 # --- Ctrl-C ----------------------------------------------------------------------------------

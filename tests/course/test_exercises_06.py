@@ -288,3 +288,26 @@ def test_committed_notebook_ships_every_exercise_unsolved() -> None:
             "examples_at_16_updates": "ex06",
         },
     )
+
+
+# ------------------------------------------------------------ section 4's run
+
+
+def test_held_out_run_measures_on_the_examples_axis():
+    examples = load_examples()
+    torch.manual_seed(0)
+    model = TinyGPT(VOCAB_SIZE, n_layer=1, n_embd=16)
+    held_out = collate(examples[1900:1908])
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    ledger, curve = ex06.held_out_run(model, examples[:64], held_out, accumulation_steps=2,
+                                      lr=1e-3, micro_batch_size=4, every=16)
+    assert ledger.examples == 64 and ledger.updates_applied == 8  # 64 / (4 × 2)
+    assert curve.seen == [0, 16, 32, 48, 64] and curve.updates == [0, 2, 4, 6, 8]
+    assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())  # a copy trained
+    # the first point is the untrained model's token-mean loss on the held-out batch
+    tokens = al.NextTokenLoss()
+    with torch.no_grad():
+        first = float(tokens.loss_sum(model(held_out["input_ids"]), held_out)) / tokens.count(held_out)
+    assert curve.values[0] == pytest.approx(first)
+    with pytest.raises(ValueError, match="every=12 is not a multiple of the 8 examples"):
+        ex06.held_out_run(model, examples[:64], held_out, 2, 1e-3, micro_batch_size=4, every=12)

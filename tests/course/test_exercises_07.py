@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import accumlab as al
 from accumlab_course.exercises import NOT_ATTEMPTED, ex07
 
 
@@ -119,7 +120,8 @@ def test_fixed_window_accepts_answers_written_apart(capsys):
 
 
 def _good_window_of_the_notebook(model, optimizer, scheduler, window):
-    # Notebook 07's good_window (cell above the exercise): right on windows with targets,
+    # A good window without the skip (what the clinic once showed above the exercise): right
+    # on windows with targets,
     # nan weights on a window without any.
     optimizer.zero_grad(set_to_none=True)
     total = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in window)
@@ -173,6 +175,20 @@ def test_fixed_window_names_the_cells_above_and_the_log(capsys):
     assert "without any target it called optimizer.step()" in capsys.readouterr().out
     assert ex07.fixed_window.check(_returns_tensor) is False
     assert "it returned a tensor" in capsys.readouterr().out
+
+
+def _package_window(model, optimizer, scheduler, window):
+    # The notebook's package_window (section 1, above the exercise): the package's loop
+    # does the whole window, count, skip and log included.
+    objective = al.NextTokenLoss()
+    return al.train_window(model, window, optimizer, objective, scheduler=scheduler).loss
+
+
+def test_fixed_window_is_not_answered_by_the_package_loop_above_it(capsys):
+    assert ex07.fixed_window.check(_package_window) is False
+    out = capsys.readouterr().out
+    assert "it calls al.train_window, the package's own loop" in out
+    assert al.train_window.__module__ == "accumlab.loop"  # the check puts the loop back
 
 
 def test_stub_is_not_attempted(capsys):
@@ -461,3 +477,36 @@ def test_the_updates_prediction_holds_for_the_run():
                       torch.optim.SGD(model.parameters(), lr=0.1), plan, al.NextTokenLoss(),
                       progress=False)
     assert ledger.update_attempts == ex07.updates_predicted.answer
+
+
+# ------------------------------------------------------------ the clinic's table
+
+
+def _divides_twice(model, optimizer, scheduler, window):
+    optimizer.zero_grad(set_to_none=True)
+    total = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in window)
+    logged = torch.zeros(())
+    for mb in window:
+        loss = _summed(model, mb) / total / len(window)
+        loss.backward()
+        logged += loss.detach()
+    optimizer.step()
+    scheduler.step()
+    return float(logged)
+
+
+def _summed(model, mb):
+    logits = model(input_ids=mb["input_ids"]).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), mb["labels"][:, 1:].flatten(),
+                           ignore_index=-100, reduction="sum")
+
+
+def test_the_clinic_table_measures_each_loop_against_the_first(capsys):
+    seen, reports = ex07.clinic_table([ex07.reference_fixed_window, _divides_twice])
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[2].split() == ["reference_fixed_window", "1.000", "1.000", "0%", "0.025", "0", "B", "ok"]
+    # every contribution divided by A = 4 once more: a quarter of the log and of the update;
+    # the learning rate after one window: 0.1 × (1 + 1) / 8
+    assert rows[3].split() == ["_divides_twice", "0.250", "0.250", "0%", "0.025", "0", "B", "double_division"]
+    assert reports["_divides_twice"].mistakes == ["double_division"]
+    assert seen["_divides_twice"].logged == pytest.approx(seen["reference_fixed_window"].logged / 4)

@@ -26,24 +26,11 @@ def tiny_gpt2(
     seed: int = 0, vocab: int = GPT2_VOCAB, dtype: torch.dtype = torch.float32
 ) -> nn.Module:
     """A ``GPT2LMHeadModel`` from a tiny config (seeded): vocabulary ``vocab``, 32
-    positions, 1 layer, width 16, 2 heads, no dropout."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    positions, 1 layer, width 16, 2 heads, no dropout (:func:`helpers.hf_models.gpt2`)."""
+    from helpers.hf_models import gpt2
 
-    config = GPT2Config(
-        vocab_size=vocab,
-        n_positions=32,
-        n_embd=16,
-        n_layer=1,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        use_cache=False,
-    )
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(config).to(dtype)
+    return gpt2(vocab=vocab, positions=32, seed=seed, dtype=dtype, bos_token_id=0, eos_token_id=0,
+                use_cache=False)
 
 
 def hidden_forward(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:

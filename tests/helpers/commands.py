@@ -1,6 +1,9 @@
-"""The ``accumlab`` command in a fresh process, as a user's shell starts it.
+"""The ``accumlab`` command in another process: a fresh interpreter, as a user's shell
+starts it (:func:`start`), or a child forked from the tests' own process
+(:func:`forked`), which starts in milliseconds instead of seconds (torch is imported
+already) and has limits of its own (``ulimit -f``).
 
-A child that is to see Ctrl-C gets SIGINT's default action back before it starts:
+A fresh child that is to see Ctrl-C gets SIGINT's default action back before it starts:
 Python keeps an inherited ignored SIGINT ignored (no KeyboardInterrupt), so a test run
 started with SIGINT ignored (``nohup``, ``trap '' INT``, a background job, a
 provisioning script) would otherwise send its Ctrl-C to a process that cannot see it.
@@ -8,10 +11,14 @@ provisioning script) would otherwise send its Ctrl-C to a process that cannot se
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import random
+import resource
 import signal
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 #: The environment every command runs in: one thread, no progress bar.
@@ -27,16 +34,41 @@ def start(*args: str, ignore_ctrl_c: bool = False, stdout: Any = subprocess.PIPE
                             preexec_fn=lambda: signal.signal(signal.SIGINT, handler))
 
 
-def run(*args: str, timeout: float = 120, prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m accumlab_course ARGS`` to its end (exit code, stdout and stderr as a user sees
-    them); ``prefix`` runs it as ``python PREFIX... ARGS`` instead (a wrapper script)."""
-    command = [sys.executable, *(prefix or ["-m", "accumlab_course"]), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=ENV)
-
-
 def one_line(err: str) -> str:
     """The single stderr line of a failed command (no traceback)."""
     assert "Traceback" not in err, err
     lines = err.splitlines()
     assert len(lines) == 1, err
     return lines[0]
+
+
+def _main_in_child(argv: list[str], file_size_limit: int | None, out: str, err: str) -> None:
+    if file_size_limit is not None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+    random.seed(0)  # its state is in every checkpoint: the same bytes in every child
+    from accumlab_course.cli import main
+
+    with open(out, "w") as sys.stdout, open(err, "w") as sys.stderr:
+        code = main(argv)
+    sys.exit(code)
+
+
+def forked(*args: str, file_size_limit: int | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``accumlab ARGS`` (``cli.main``) in a child forked from this process, to its end:
+    its exit code, stdout and stderr. ``file_size_limit``: the child's ``ulimit -f`` in
+    bytes (a write past it fails with EFBIG). Python's ``random`` is seeded in the child,
+    so that the checkpoints it writes have the same size in every child (a checkpoint
+    holds that generator's state, whose pickled size varies with the state)."""
+    with tempfile.TemporaryDirectory() as logs:
+        out, err = os.path.join(logs, "out"), os.path.join(logs, "err")
+        child = multiprocessing.get_context("fork").Process(
+            target=_main_in_child, args=(list(args), file_size_limit, out, err))
+        child.start()
+        child.join(timeout)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+            raise TimeoutError(f"accumlab {' '.join(args)} did not end within {timeout} s")
+        with open(out) as o, open(err) as e:
+            return subprocess.CompletedProcess(["accumlab", *args], child.exitcode, o.read(), e.read())

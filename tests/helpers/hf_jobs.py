@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from helpers import hf_models
+
 PAD, EOS, BOS, UNK, MASK = 0, 1, 2, 3, 4
 CHARS = " abcdefghijklmnopqrstuvwxyz.,"
 VOCAB_SIZE = 5 + len(CHARS)
@@ -81,10 +83,8 @@ def causal_lm(family: str, seed: int = 0, **config: Any) -> nn.Module:
 
     common = dict(vocab_size=VOCAB_SIZE, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
     if family == "gpt2":
-        cfg = tf.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=256, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, **common)
-        cls = tf.GPT2LMHeadModel
-    elif family == "llama":
+        return hf_models.gpt2(positions=256, seed=seed, **{**common, **config})
+    if family == "llama":
         cfg = tf.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                              **common)
@@ -430,12 +430,7 @@ def _trl(trainer_cls: str, config_cls: str, rows: Callable[[], list[dict[str, An
         mod = importlib.import_module(module)
         cfg = training_args(getattr(mod, config_cls), **{"bf16": False, **config, **args})
         if reward:
-            import transformers as tf
-
-            torch.manual_seed(0)
-            model = tf.GPT2ForSequenceClassification(tf.GPT2Config(
-                n_layer=1, n_embd=16, n_head=2, n_positions=256, vocab_size=VOCAB_SIZE, num_labels=1,
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=PAD))
+            model = hf_models.gpt2("sequence", vocab=VOCAB_SIZE, positions=256, num_labels=1, pad_token_id=PAD)
         else:
             model = causal_lm("gpt2")
         # the frozen reference policy: other weights than the policy (as after some training),

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from helpers import hf_models
+
 LENGTHS = (3, 11, 5, 9, 4, 10, 6, 7)  # 55 labels, 47 targets after the shift
 VOCAB = 64
 
@@ -49,25 +51,12 @@ def collate_classes(features: list[dict[str, Any]]) -> dict[str, Tensor]:
 
 def gpt2(dropout: float = 0.0, seed: int = 0) -> nn.Module:
     """A GPT2LMHeadModel as built from a tiny config (1 layer, width 16): its loss_type unset."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    config = GPT2Config(
-        n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-    )
-    return GPT2LMHeadModel(config)
+    return hf_models.gpt2(vocab=VOCAB, dropout=dropout, seed=seed)
 
 
 def gpt2_classifier(seed: int = 0) -> nn.Module:
-    from transformers import GPT2Config, GPT2ForSequenceClassification
-
-    torch.manual_seed(seed)
-    config = GPT2Config(
-        n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16, num_labels=3,
-        pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )
-    return GPT2ForSequenceClassification(config)
+    """GPT-2 with a sequence-classification head of 3 classes (padding id 0)."""
+    return hf_models.gpt2("sequence", vocab=VOCAB, seed=seed, num_labels=3, pad_token_id=0)
 
 
 class KwargsWrapper(nn.Module):
@@ -192,6 +181,19 @@ def applied_gradient(model: nn.Module, args_overrides: dict[str, Any] | None = N
     return before - flat(params)
 
 
+def applied_and_logged(model: nn.Module, args_overrides: dict[str, Any] | None = None,
+                       trainer_class: Any = None, **trainer_kw: Any) -> tuple[Tensor, dict[str, float]]:
+    """:func:`applied_gradient`, and what the Trainer logged for that update (its
+    ``loss``, and its ``grad_norm`` where the release logs one), read from its log."""
+    settings = {**SGD_STEP, "logging_strategy": "steps", "logging_steps": 1, **(args_overrides or {})}
+    trainer = make_trainer(model, make_args(**settings), trainer_class, **trainer_kw)
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = flat(params)
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h]
+    return before - flat(params), {k: float(v) for k, v in log.items() if k in ("loss", "grad_norm")}
+
+
 def reference_gradient(model: nn.Module, batches: list[dict[str, Tensor]]) -> Tensor:
     """Token mean over the shifted targets of all ``batches``' examples, written directly
     (each batch's summed cross-entropy, one division by the total target count)."""
@@ -201,6 +203,16 @@ def reference_gradient(model: nn.Module, batches: list[dict[str, Tensor]]) -> Te
         shifted_sum(inner(input_ids=b["input_ids"], attention_mask=b["attention_mask"]), b["labels"])
         for b in batches
     ) / total
+    params = [p for p in model.parameters() if p.requires_grad]
+    return flat(torch.autograd.grad(loss, params))
+
+
+def class_reference(model: nn.Module, batches: list[dict[str, Tensor]]) -> Tensor:
+    """Example mean of the cross-entropy of one class per example over all ``batches``'
+    examples, written directly (each batch's summed cross-entropy, one division)."""
+    total = sum(int(b["labels"].numel()) for b in batches)
+    loss = sum(F.cross_entropy(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits,
+                               b["labels"], reduction="sum") for b in batches) / total
     params = [p for p in model.parameters() if p.requires_grad]
     return flat(torch.autograd.grad(loss, params))
 
@@ -287,7 +299,10 @@ def ddp_cases() -> list[dict[str, Any]]:
 
 # -- the audit under another transformers release (run in a subprocess) ------------------
 
-VERSION_CASES = ("plain", "loss_type", "kwargs", "nokw", "correct_func")
+VERSION_CASES = ("plain", "loss_type", "kwargs", "nokw", "correct_func", "classes")
+
+#: the sequence-classification case: 7 examples, so the last microbatch holds one
+CLASSES = 7
 
 
 def version_cases(cases: tuple[str, ...] = VERSION_CASES) -> None:
@@ -296,6 +311,7 @@ def version_cases(cases: tuple[str, ...] = VERSION_CASES) -> None:
     independent scale (one real update against the token mean of the 8 examples), whether
     the audit calls the fixed job ok and the fixed job's real update's relative error."""
     import copy
+    import functools
     import json
 
     import transformers
@@ -307,10 +323,16 @@ def version_cases(cases: tuple[str, ...] = VERSION_CASES) -> None:
     out: dict[str, Any] = {"version": transformers.__version__}
     for case in cases:
         kind = "plain" if case == "correct_func" else case
-        extra = {"compute_loss_func": correct_loss_func} if case == "correct_func" else {}
-        g = applied_gradient(model_for(kind), **extra)
-        ref = reference_gradient(copy.deepcopy(model_for(kind)), [collate(examples())])
-        model = model_for(kind)
+        extra: dict[str, Any] = {"compute_loss_func": correct_loss_func} if case == "correct_func" else {}
+        if case == "classes":  # one class per example; the printed fix counts the examples
+            build = gpt2_classifier
+            extra = {"data_collator": collate_classes, "train_dataset": examples()[:CLASSES]}
+            ref = class_reference(build(), [collate_classes(examples()[:CLASSES])])
+        else:
+            build = functools.partial(model_for, kind)
+            ref = reference_gradient(copy.deepcopy(build()), [collate(examples())])
+        g, logged = applied_and_logged(build(), **extra)
+        model = build()
         trainer = make_trainer(model, make_args(**SGD_STEP), **extra)
         report = ah.audit_trainer(trainer)
         fixed = ah.audit_trainer(apply_fix(report, model, trainer, **extra)) if report.fix else report
@@ -322,6 +344,8 @@ def version_cases(cases: tuple[str, ...] = VERSION_CASES) -> None:
             "ok": report.ok, "mistakes": report.mistakes, "scale": report.scale,
             "independent_scale": least_squares_scale(g, ref), "fixed_ok": fixed.ok,
             "fixed_error": float((g_fixed - ref).norm() / ref.norm()), "text": str(report),
+            "audit_logged": {n.name: [n.finding, n.apart, n.logged] for n in report.logged},
+            "trainer_logged": logged,
         }
     print(json.dumps(out))
 

@@ -1,9 +1,9 @@
-"""Test-only helpers and workers for checkpoint/resume (tests/checkpoint/test_resume.py).
+"""Test-only helpers and workers for checkpoint/resume (tests/checkpoint/).
 
-Spawned ranks (``accumlab.distributed.launch``) and the subprocess of the kill test
-import this module as ``resume_workers``: pytest puts ``tests/`` on ``sys.path`` and
-``multiprocessing``'s spawn start method copies it into each child. Workers return plain
-data and CPU tensors; none prints.
+Spawned ranks (``accumlab.distributed.launch``) import this module as
+``resume_workers``: pytest puts ``tests/`` on ``sys.path`` and ``multiprocessing``'s spawn
+start method copies it into each child (the kill test's children are forked). Workers
+return plain data and CPU tensors; none prints.
 
 A *run* here is built from a :class:`Config` alone (seeded model, optimizer, scheduler,
 scaler and data), so building it twice gives two identical runs: one trained straight
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -328,6 +327,19 @@ def two_rank_fallback(directory: str) -> dict[str, Any]:
     }
 
 
+def two_rank_cases(directory: str) -> dict[str, Any]:
+    """Every two-rank case in one process group (one launch instead of four: two fresh
+    interpreters and a group each cost seconds), each in its own directory under
+    ``directory``: this rank's result of each, by name. The refusal comes last: it is the
+    case that would leave a rank waiting in a collective if every rank did not raise."""
+    return {
+        "resume": two_rank_resume(f"{directory}/resume"),
+        "fallback": two_rank_fallback(f"{directory}/fallback"),
+        "fsdp2": two_rank_fsdp2_resume(f"{directory}/fsdp2"),
+        "refusal": two_rank_refusal(f"{directory}/refusal"),
+    }
+
+
 # ------------------------------------------------------------------ the kill test
 
 
@@ -393,7 +405,3 @@ class StatefulBatches:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.start = int(state["position"])
-
-
-if __name__ == "__main__":  # python tests/helpers/resume_workers.py DIR OUT PAUSE_S
-    kill_run(sys.argv[1], sys.argv[2], float(sys.argv[3]))

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from accumlab.hf.invariance import batch_samples  # noqa: E402
+from accumlab.hf.steps import batch_samples  # noqa: E402
 
 
 class Old:

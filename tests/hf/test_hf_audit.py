@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import hf_workers as hw
+from helpers.hf_models import gpt2
 
 transformers = pytest.importorskip("transformers")
 import accumlab.hf as ah  # noqa: E402
@@ -425,7 +426,11 @@ def test_activation_checkpointing_is_measured_with_dropout_replayed(where):
     assert wrong.scale == pytest.approx(TARGETS / COUNTED, abs=1e-5)
 
 
-def test_a_model_without_logits_is_not_checked():
+def test_a_model_without_logits_is_checked_by_split_invariance():
+    """No logits for a reference: the job's own path at other splits speaks instead (it
+    was "not checked"). Its loss is each microbatch's mean divided by A (no **kwargs), on
+    microbatches of uneven length: the window as one batch differs, and the gradient is
+    exactly 1/A times the sum of the microbatches' own."""
     class LossOnly(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -435,7 +440,9 @@ def test_a_model_without_logits_is_not_checked():
             return {"loss": self.inner(input_ids=input_ids, labels=labels).loss}
 
     report = ah.audit_trainer(hw.make_trainer(LossOnly()))
-    assert not report.ok and not report.checked
+    assert report.checked and report.invariance and not report.ok, str(report)
+    assert "cannot run on this job" in report.objective
+    assert report.mistakes == ["average_of_averages"], str(report)
 
 
 def test_token_classification_is_checked_with_the_unshifted_token_mean():
@@ -444,12 +451,7 @@ def test_token_classification_is_checked_with_the_unshifted_token_mean():
         batch["labels"] = torch.where(batch["labels"] >= 0, batch["labels"] % 3, -100)
         return batch
 
-    from transformers import GPT2Config, GPT2ForTokenClassification
-
-    torch.manual_seed(0)
-    model = GPT2ForTokenClassification(GPT2Config(
-        n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16, num_labels=3,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, classifier_dropout=0.0))
+    model = gpt2("token", num_labels=3, classifier_dropout=0.0)
     trainer = hw.make_trainer(model, data_collator=token_classes)
     report = ah.audit_trainer(trainer)
     assert report.checked and not report.ok and "unshifted" in report.objective

@@ -39,3 +39,27 @@ def test_accumlab_hf_without_transformers_names_the_extra_in_one_line():
         "ImportError: accumlab.hf needs Hugging Face transformers: pip install 'accumlab[hf]'"
     )
     assert "During handling" not in done.stderr
+
+
+def test_the_oldest_release_has_one_home_and_the_extra_follows_it():
+    """accumlab.hf.OLDEST_TRANSFORMERS is the one statement of the oldest transformers the
+    audit runs on: the import refuses anything older, the hf extra asks for exactly it, and
+    it is the series of the oldest release the tests run."""
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    import accumlab.hf as ah
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    extra = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["hf"]
+    (transformers,) = [r for r in map(Requirement, extra) if r.name == "transformers"]
+    assert str(transformers.specifier) == f">={ah.OLDEST_TRANSFORMERS}"
+    oldest_tested = min(ah.TESTED_TRANSFORMERS, key=Version)
+    assert oldest_tested.startswith(ah.OLDEST_TRANSFORMERS + ".")
+    assert not ah._too_old(oldest_tested) and ah._too_old("4.45.2")

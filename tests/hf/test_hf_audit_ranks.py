@@ -24,6 +24,7 @@ def ranks():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # two gloo ranks, five jobs each: about 35 s
 @pytest.mark.parametrize("case", range(len(hw.DDP_CASES)))
 def test_every_rank_gets_the_same_measured_verdict(ranks, case):
     kind, average, causes = hw.DDP_CASES[case]

@@ -11,25 +11,21 @@ right and its fixes must work on each:
 * 5.x (the environment's, tested everywhere else) counts after the shift when it
   recognises the model's loss as a causal-LM loss (``model.loss_type``).
 
-``make unit`` (and so ``make test``) installs each release into its own folder,
-``$(VENV)/hf-transformers-<release>`` (never into the virtual environment); this test runs
-``tests/helpers/hf_workers.py`` once per release in a subprocess with that folder first on
-``PYTHONPATH``.
+``make slow`` installs each release into its own folder (``tests/helpers/hf_releases.py``
+finds it; a missing one fails the test); this test runs ``tests/helpers/hf_workers.py``
+once per release in a subprocess with that folder first on ``PYTHONPATH``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import hf_releases
 
 pytestmark = pytest.mark.slow  # make slow installs the releases
-
-TESTS = Path(__file__).resolve().parents[1]  # on PYTHONPATH: the subprocess imports helpers.*
 
 #: release -> case -> the causes the audit names (measured on each release; the scale is
 #: checked against an independent one below, so a name here cannot hide a wrong number)
@@ -39,6 +35,7 @@ EXPECTED = {
         "loss_type": ["num_items_ignored"],
         "kwargs": ["num_items_ignored"],  # **kwargs is not **loss_kwargs on this release
         "nokw": ["num_items_ignored"],
+        "classes": ["num_items_ignored"],  # its fix counts the examples (it crashed on [:, 1:])
         # correct_func is left out: 4.46 passes compute_loss_func num_items_in_batch=None for
         # GPT-2 (no **loss_kwargs), so "sum / num_items_in_batch" is no valid job there.
     },
@@ -48,6 +45,7 @@ EXPECTED = {
         "kwargs": ["num_items_ignored"],
         "nokw": ["average_of_averages"],
         "correct_func": ["count_before_shift"],
+        "classes": ["average_of_averages"],  # no **kwargs: a mean per microbatch, divided by A
     },
     "4.57.6": {
         "plain": ["count_before_shift"],
@@ -55,6 +53,7 @@ EXPECTED = {
         "kwargs": ["num_items_ignored"],
         "nokw": ["average_of_averages"],
         "correct_func": ["count_before_shift"],
+        "classes": ["average_of_averages"],  # no **kwargs: a mean per microbatch, divided by A
     },
 }
 
@@ -62,19 +61,11 @@ EXPECTED = {
 BEFORE_SHIFT = 47 / 55
 
 
-def folder(release: str) -> Path:
-    return Path(os.environ.get("ACCUMLAB_HF_DIR", sys.prefix)) / f"hf-transformers-{release}"
-
-
 @pytest.fixture(scope="module", params=sorted(EXPECTED))
 def measured(request):
     """One subprocess per release: every case's verdict, scale, independent scale, fix."""
     release = request.param
-    where = folder(release)
-    if not (where / "transformers").is_dir():
-        pytest.skip(f"transformers {release} is not installed in {where}: run make unit (it installs it)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(where), str(TESTS)]),
-               TQDM_DISABLE="1", OMP_NUM_THREADS="1")
+    env = hf_releases.subprocess_env(release)
     done = subprocess.run([sys.executable, "-m", "helpers.hf_workers", *EXPECTED[release]], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -99,3 +90,10 @@ def test_verdict_scale_and_fix_under_each_release(measured):
             assert "having passed it" not in text, (release, case, text)
         if mistakes == ["count_before_shift"]:
             assert result["scale"] == pytest.approx(BEFORE_SHIFT, abs=1e-6), (release, case)
+        # the logged loss the audit predicts is the one the Trainer logged for the update
+        finding, apart, predicted = result["audit_logged"]["loss"]
+        assert predicted == pytest.approx(result["trainer_logged"]["loss"], rel=1e-3), (release, case)
+        if release == "4.46.3" and case in ("plain", "classes"):
+            # the update sums A microbatch means, the log divides them by A: a right-looking
+            # loss over a wrong update, named apart from it
+            assert (finding, apart) == ("average of averages", True), (release, case, result)

@@ -58,7 +58,13 @@ def truth(job, trainer):
     return hj.compare(g, job.reference(start, trainer))
 
 
-@pytest.mark.parametrize("name", list(VERDICTS))
+#: the one job of the matrix in make test (its verdict moved with TRL 1.15); the rest, about
+#: 2 s each, in the slow tier
+FAST = ("sft_padding_free",)
+
+
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in VERDICTS])
 def test_verdict_scale_and_fix_against_the_jobs_truth(name):
     job = JOBS[name]
     true_scale, true_error = truth(job, job.build(**hj.SGD))
@@ -71,7 +77,8 @@ def test_verdict_scale_and_fix_against_the_jobs_truth(name):
     if not report.invariance:  # measured against the job's objective: the true scale
         assert report.scale == pytest.approx(true_scale, abs=max(right, 1e-4)), str(report)
         assert report.relative_error == pytest.approx(true_error, rel=0.2, abs=right)
-    assert f"{report.scale:.4f}" in str(report)
+    if not report.invariance:
+        assert f"{report.scale:.4f}" in str(report)
     if report.ok:
         assert report.fix == ""
         return

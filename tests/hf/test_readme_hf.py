@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
+from helpers.hf_models import gpt2
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,23 +21,11 @@ AUDIT_DOC = Path(__file__).resolve().parents[2] / "docs" / "AUDIT.md"
 def lesson_08_report() -> str:
     """The audit of lesson 08's job: GPT-2 from its config, 8 short examples labelled on
     every token, m = 2, A = 4."""
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     transformers.logging.set_verbosity_error()
     examples = [ex for ex in load_examples() if len(ex.input_ids) <= 16][:8]
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=VOCAB_SIZE,
-        n_positions=128,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=1,
-        eos_token_id=1,
-    )
+    model = gpt2(vocab=VOCAB_SIZE, positions=128, width=32, layers=2, bos_token_id=1, eos_token_id=1)
 
     def lm_batch(batch_examples):
         batch = collate(batch_examples, mask_prompt=False)
@@ -58,9 +46,7 @@ def lesson_08_report() -> str:
             disable_tqdm=True,
             use_cpu=True,
         )
-        trainer = Trainer(
-            model=GPT2LMHeadModel(config), args=args, train_dataset=examples, data_collator=lm_batch
-        )
+        trainer = Trainer(model=model, args=args, train_dataset=examples, data_collator=lm_batch)
         return str(audit_trainer(trainer))
 
 

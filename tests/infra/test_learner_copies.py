@@ -22,6 +22,13 @@ copies = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(copies)
 
 
+@pytest.fixture(autouse=True)
+def no_running_jupyter(tmp_path_factory, monkeypatch):
+    """restore asks running Jupyter servers which notebooks are open: none here, unless a
+    test starts one."""
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path_factory.mktemp("runtime")))
+
+
 @pytest.fixture
 def course(tmp_path: Path) -> Path:
     (tmp_path / "notebooks").mkdir()
@@ -264,3 +271,80 @@ def test_the_tool_runs_without_torch(course):
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("created my-notebooks/03_amp_gradscaler.ipynb")
     assert (course / "my-notebooks" / "03_amp_gradscaler.ipynb").read_text() == '{"lesson": "03_amp_gradscaler"}'
+
+
+# --- a copy open in a running JupyterLab ------------------------------------------------
+
+
+@pytest.fixture
+def jupyter(tmp_path, monkeypatch):
+    """A stand-in Jupyter server on 127.0.0.1 that lists its open notebooks
+    (``/api/sessions``) to a request with its token, described in a runtime folder as
+    Jupyter describes a running server; yields a function that sets the open paths."""
+    import http.server
+    import json
+    import threading
+
+    open_paths: list[str] = []
+
+    class Sessions(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the handler's name)
+            if self.path != "/api/sessions" or self.headers.get("Authorization") != "token secret":
+                self.send_error(403)
+                return
+            body = json.dumps([{"path": p, "type": "notebook"} for p in open_paths]).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Sessions)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
+
+    def serve(root: Path, *paths: str) -> str:
+        open_paths[:] = paths
+        url = f"http://127.0.0.1:{server.server_address[1]}/"
+        (runtime / f"jpserver-{os.getpid()}.json").write_text(json.dumps(
+            {"url": url, "token": "secret", "root_dir": str(root), "pid": os.getpid()}))
+        return url
+
+    yield serve
+    server.shutdown()
+
+
+def test_restore_warns_when_the_copy_is_open_in_jupyterlab(course, jupyter):
+    copies.sync(course)
+    url = jupyter(course, "my-notebooks/03_amp_gradscaler.ipynb")
+    warning, replaced = copies.restore(["03"], root=course, now=0)
+    assert warning.startswith(f"warning: my-notebooks/03_amp_gradscaler.ipynb is open in "
+                              f"JupyterLab ({url}): its tab still holds your old copy")
+    assert "choose Revert" in warning and "Overwrite would put your old copy back" in warning
+    assert replaced.startswith("replaced my-notebooks/03_amp_gradscaler.ipynb")  # restored anyway
+    assert [line[:9] for line in copies.restore(["01"], root=course, now=0)] == ["replaced "]
+
+
+def test_a_gone_or_silent_server_is_skipped(course, jupyter, tmp_path):
+    import json
+    import socket
+
+    jupyter(course, "my-notebooks/03_amp_gradscaler.ipynb")
+    runtime = Path(os.environ["JUPYTER_RUNTIME_DIR"])
+    info = runtime / f"jpserver-{os.getpid()}.json"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    stale = json.loads(info.read_text()) | {"pid": int(gone.stdout)}  # its process ended
+    info.write_text(json.dumps(stale))
+    assert copies.open_notebooks() == {}
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    info.write_text(json.dumps(stale | {"pid": os.getpid(), "url": f"http://127.0.0.1:{port}/"}))
+    assert copies.open_notebooks() == {}
+    info.write_text("not json")
+    assert copies.open_notebooks() == {}

@@ -154,6 +154,8 @@ def test_every_saved_widget_of_the_course_can_be_drawn():
                 if view:
                     views += 1
                     assert 'class="static-widget"' in accumlab_site.widget_html(view, state)
+                elif 'class="static-widget"' in "".join(out.get("data", {}).get("text/html", "")):
+                    views += 1  # saved as its drawing already (tools/run_notebooks.py)
     assert views >= 2  # notebooks 00 and 02 ship a widget each
 
 
@@ -199,6 +201,8 @@ def _good_site(site: Path) -> None:
         helps = "".join(f'<div id="help-{e.replace(".", "-")}">hints</div>' for e in exercises)
         folds = '<details class="admonition hide below-input">x</details>' * check_site.collapsed_reveals(
             REPO / "notebooks" / f"{stem}.ipynb")
+        folds += '<details class="accumlab-answer"><summary>s</summary>x</details>' * check_site.saved_answers(
+            REPO / "notebooks" / f"{stem}.ipynb")
         body = links + f'<a href="../{download}">download</a>' + helps + folds + '<a href="../index.html#top">home</a>'
         body += '<div class="math notranslate">\\[\\frac{a}{b}\\]</div><script src="../_static/mathjax/MathJax.js"></script>'
         _page(site / "lessons" / f"{stem}.html", body, depth=1)
@@ -236,6 +240,13 @@ def _first_fold() -> int:
         if check_site.collapsed_reveals(REPO / "notebooks" / f"{stem}.ipynb"):
             return n
     raise AssertionError("no notebook saves a collapsed reveal")
+
+
+def _first_answer() -> int:
+    for n, stem in enumerate(LESSONS):
+        if check_site.saved_answers(REPO / "notebooks" / f"{stem}.ipynb"):
+            return n
+    raise AssertionError("no notebook saves a folded answer")
 
 
 def _first_exercise() -> tuple[int, str]:
@@ -280,6 +291,10 @@ def _first_exercise() -> tuple[int, str]:
         (lambda s: _edit(_lesson_page(s, 0), "home</a>", "home</a><pre># NBVAL_IGNORE_OUTPUT</pre>"), "test machinery"),
         (lambda s: _page(s / "docs" / "workshop.html", "<p>the estimate of the review, issue 11</p>", 1), "issue number"),
         (lambda s: _edit(_lesson_page(s, _first_fold()), '<details class="admonition hide below-input">', "<details>"), "folded on the page"),
+        (lambda s: _edit(_lesson_page(s, _first_answer()), '<details class="accumlab-answer">', "<p>"), "folded answers in the notebook"),
+        (lambda s: _edit(_lesson_page(s, _first_answer()), '<details class="accumlab-answer">', '<details open class="accumlab-answer">'), "shown open"),
+        (lambda s: _edit(_lesson_page(s, _first_answer()), '<details class="accumlab-answer"><summary>s</summary>x</details>',
+                         '<details class="hide"><details class="accumlab-answer"><summary>s</summary>x</details></details>'), "folded twice"),
         (lambda s: _edit(s / "index.html", "al-start", "other"), "no 'Start lesson 00 →' link"),
         (lambda s: _edit(s / "index.html", STUDY, "soon"), "study time"),
         (lambda s: _edit(s / "searchindex.js", '"oom"', '"oomx"'), "OOM is not a main entry"),

@@ -36,9 +36,10 @@ How the answer is looked for:
   significant digits, or from the answer's own when it has fewer: ``0.922`` for 0.9223,
   ``3.5`` for 3.5), not a part of another numeral (``1280``, ``12.8``, ``2.13.0``), and a
   product written out (``16 × 8``, ``16 * 8``);
-- in **code**: besides the numerals (for an answer that is not a whole number below 10,
-  which code holds everywhere), a constant expression (``16 * 8``) whose value is the
-  answer, and a comparison with the answer (``assert x == 80``, ``passes == [10, 80]``);
+- in **code**: the prose it holds, its comments and strings (``print("80 passes")``), for
+  an answer that is not a whole number below 10; a constant expression (``16 * 8``) whose
+  value is the answer; and a comparison with the answer (``assert x == 80``,
+  ``passes == [10, 80]``). A number used as data (``TinyGPT(n_embd=32)``) states nothing;
 - a **choice** (text): the choice's words in text, ignoring case, spaces and hyphens, and in
   code a comparison that names it (``assert cosine(wrong["positions counted"]) > 0.9995``);
   the question's own cells, which list the choices, are not searched.
@@ -53,10 +54,12 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import io
 import json
 import math
 import re
 import sys
+import tokenize
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
@@ -216,15 +219,33 @@ def _is_answer(value: Any, answer: object) -> bool:
     return math.isclose(value, float(answer), rel_tol=1e-3, abs_tol=1e-12)
 
 
+def _prose_of(source: str, tree: ast.AST | None) -> str:
+    """The prose a code cell's source holds: its comments and string literals (an f-string's
+    text parts), what a reader reads as sentences; the whole source when it is not Python."""
+    if tree is None:
+        return source
+    parts = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    try:
+        parts += [t.string for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                  if t.type == tokenize.COMMENT]
+    except (tokenize.TokenError, IndentationError):
+        pass
+    return "\n".join(parts)
+
+
 def code_states(answer: object, source: str) -> str | None:
-    """What in a code cell's source gives ``answer`` away, or None."""
-    if not common(answer):
-        said = states(answer, source)
-        if said:
-            return f"the text {said!r}"
+    """What in a code cell's source gives ``answer`` away, or None: its prose (comments and
+    strings) stating it, a comparison with it, or a constant expression whose value it is.
+    A number used as data (``TinyGPT(n_embd=32)``, ``range(128)``) states nothing."""
     try:
         tree = ast.parse(source)
     except SyntaxError:  # IPython syntax (%magic): read it as text only
+        tree = None
+    if not common(answer):
+        said = states(answer, _prose_of(source, tree))
+        if said:
+            return f"the text {said!r}"
+    if tree is None:
         return None
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
@@ -458,7 +479,9 @@ def test_a_well_made_prediction_passes():
 
 @pytest.mark.parametrize(("cells", "found"), [
     # the issue's ways, one by one
-    ([_md("## 2\nPredict"), ASK, _code("x = 64\nex00.effective_batch.reveal(x)", _revealed("ex00.effective_batch", "64"))],
+    ([_md("## 2\nPredict"), ASK, _code("ex00.effective_batch.reveal(x)  # 64 examples", _revealed("ex00.effective_batch", "64"))],
+     "the source of cell 2 shows the answer before its reveal is opened: the text '64'"),
+    ([_md("## 2\nPredict"), ASK, _code("ex00.effective_batch.reveal(x, shown=f'{x} = 64')", _revealed("ex00.effective_batch", "64"))],
      "the source of cell 2 shows the answer before its reveal is opened: the text '64'"),
     ([_md("## 2\nPredict"), ASK, _code("ex00.effective_batch.reveal(t)\nassert t == 16 * 4", _revealed("ex00.effective_batch", "64"))],
      "the source of cell 2"),
@@ -560,3 +583,10 @@ def test_closed_details_hide_their_body_and_open_ones_do_not():
     assert "80" in rendered('<details open><summary>Answer</summary><pre>80</pre></details>')
     assert "80" not in rendered('<details><summary>a</summary><details open><summary>b</summary>80</details></details>')
     assert rendered("x < 3 and y > 2") == "x < 3 and y > 2"
+
+
+def test_a_number_used_as_data_in_code_states_nothing():
+    assert code_states(32, "model = TinyGPT(VOCAB_SIZE, n_layer=2, n_embd=32)") is None
+    assert code_states(32, "print('32 updates')") == "the text '32'"
+    assert code_states(32, "n = 32  # the run's 32 updates") == "the text '32'"
+    assert code_states(128, "assert seen == 16 * 8").startswith("a comparison with the answer")

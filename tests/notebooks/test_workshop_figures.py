@@ -75,11 +75,11 @@ FIGURES = [
      r"clip the window +direction +(\d+\.\d) deg, norm (\d\.\d\d)\n"
      r"clip each, then add +direction +(\d+\.\d) deg, norm (\d\.\d\d)"),
     ("03 the skipped attempt",
-     r"halves the scale\s+\((\d+) → (\d+)\) and leaves the weights: (\d) update attempts, (\d) "
+     r"halves the scale\s+\((\d+) → (\d+)\) and leaves the weights:\s+(\d) update attempts, (\d) "
      r"applied, (\d) skipped", "03_amp_gradscaler",
-     r"1 \| False +\| +(\d+) -> (\d+)[\s\S]*ledger: (\d) update attempts, (\d) applied, (\d) skipped"),
+     r"1 \| False +\| +(\d+) -> (\d+)[\s\S]*ledger: (\d) attempts, (\d) applied, (\d) skipped"),
     ("03 AdamW steps after the skip", r"`adamw_steps_after_skip` = (\d+)", "03_amp_gradscaler",
-     r"\| +(\d+) \| changed\nledger:"),
+     r"\| +(\d+)\nledger:"),
     ("04 the arithmetic cell", r"true mean (\d\.\d\d), (\d\.\d\d) without `× D`, (\d\.\d\d) with",
      "04_ddp_no_sync", r"true window mean (\d\.\d\d) \| × D / global count: \d\.\d\d \| "
      r"/ global count: (\d\.\d\d) \| / local count: (\d\.\d\d)"),
@@ -88,12 +88,17 @@ FIGURES = [
     ("04 syncs per window",
      r"syncs per window: (\d) with `no_sync` around forward and backward, (\d) around\s+neither, "
      r"(\d) around the forwards only, (\d) around the backwards only", "04_ddp_no_sync",
-     r"forward and backward +(\d)  True\nnone +(\d)  True\nforward only +(\d)  True\n"
-     r"backward only +(\d)  True"),
+     r"forward and backward +(\d) +1  True\nnone +(\d) +1  True\nforward only +(\d) +1  True\n"
+     r"backward only +(\d) +1  True"),
     ("04 syncs with no_sync around the forwards", r"`syncs_forward_only` = (\d)", "04_ddp_no_sync",
-     r"forward only +(\d)  True"),
-    ("04 example IDs", r"§4 (\d+) examples each exactly once", "04_ddp_no_sync",
-     r"the uneven run of section 3: (\d+) examples processed over 2 rank\(s\) \(\[\d+, \d+\]\), "
+     r"forward only +(\d) +\d+  True"),
+    ("04 the whole window",
+     r"window 1 skipped on both ranks \((\d+) → (\d+)\),\s+window 2 at lr (\d\.\d\d)",
+     "04_ddp_no_sync",
+     r"1 \| +3, 2 \| +1, 1 \| False +\| +(\d+) -> (\d+) +\| +- \| skipped\n"
+     r" +2 \|[^\n]*\| (\d\.\d\d) \| True"),
+    ("04 example IDs", r"§6\s+(\d+) examples each exactly once", "04_ddp_no_sync",
+     r"the uneven run of section 5: (\d+) examples processed over 2 rank\(s\) \(\[\d+, \d+\]\), "
      r"\d+ distinct; each\s+exactly once"),
     ("05 the four parts of a window",
      r"(\d\.\d\d) at the start, the gradients (\d\.\d\d) from the first\s+backward, (\d\.\d\d) more "
@@ -109,7 +114,7 @@ FIGURES = [
     ("05 losses kept in a list",
      r"grows by (\[[\d, ]+\]) bytes over three windows[\s\S]*?stays at (\[[\d, ]+\])",
      "05_memory_instrumentation",
-     r"tensors kept: (\[[\d, ]+\])\n.*one float per window: (\[[\d, ]+\])"),
+     r"tensors kept: (\[[\d, ]+\])\n.*floats: (\[[\d, ]+\])"),
     ("06 BatchNorm rows", r"BatchNorm does not\s+\(a difference of (\d+\.\d+)\)",
      "06_when_equivalence_ends", r"BatchNorm: rows 0-7 .* max \|difference\| = (\d+\.\d+)"),
     ("06 BatchNorm error at m = 32 and m = 2",
@@ -131,7 +136,7 @@ FIGURES = [
      "06_when_equivalence_ends", r"gap to A=1 after 512 examples: (\d\.\d\d) nats at the "
      r"same lr, (\d\.\d\d) at lr × 2"),
     ("06 divided twice", r"your own gives (\d\.\d\d) × the gradient", "06_when_equivalence_ends",
-     r"divided twice\) +\|gradient\| = (\d\.\d\d) × the right one"),
+     r"loss_sum / count, then / A +\|gradient\| = (\d\.\d\d) × the right one"),
     ("07 the audit's cost", r"a correct loop costs (\d+) forward passes over (\d+) rows",
      "07_capstone", r"The audit ran (\d+) forward passes over (\d+) rows"),
     ("07 the audit's controlled set", r"(\d+) windows, (\d+) microbatches, (\d+) examples, unequal",
@@ -139,10 +144,10 @@ FIGURES = [
     ("07 the real run's update attempts", r"`updates_predicted` = (\d+)", "07_capstone",
      r"\n(\d+) update attempts \(\d+ applied, 0 skipped\) from \d+ microbatches / \d+ backward "
      r"passes\n512 examples"),
-    ("07 double division", r"loss of (\d\.\d+) instead of (\d\.\d+) nats per target",
-     "07_capstone", r"logged loss (\d\.\d+) instead of (\d\.\d+) nats per target"),
+    ("07 double division", r"`divides_twice` logs (\d\.\d+) × the right loss",
+     "07_capstone", r"divides_twice +(\d\.\d+) "),
     ("07 clears inside, schedules per backward",
-     r"`clears_inside`'s update is (\d\.\d+) × as long, `schedules_per_backward` runs at lr (\d\.\d+)",
+     r"`clears_inside`'s update is (\d\.\d+) × as long \(a deep dive adds\s+`schedules_per_backward`,\s+which runs at lr (\d\.\d+)",
      "07_capstone",
      r"clears_inside +- +(\d\.\d+) [\s\S]*?schedules_per_backward +- +\d\.\d+ +\d+% +(\d\.\d+)"),
     ("08 the Trainer's factor", r"`factor_predicted` = (\d+)/(\d+)", "08_audit_your_job",
@@ -161,9 +166,12 @@ def _figures(match: re.Match) -> tuple[str, ...]:
 
 
 def _shown(output: dict) -> str:
-    """A stream's text, or the text of a result's HTML (a prediction's folded answer
-    included: the kit quotes it for the facilitator) with its tags dropped."""
+    """A stream's text, or the text of a result's HTML with its tags dropped; of a
+    prediction's folded answer, the answer on lines of its own (the kit quotes it for the
+    facilitator), without the summary."""
     html_text = "".join(output.get("data", {}).get("text/html", ""))
+    if "accumlab-answer" in html_text:
+        html_text = "\n" + html_text.split("</summary>", 1)[1] + "\n"
     return "".join(output.get("text", "")) + html.unescape(re.sub(r"<[^>]+>", "", html_text))
 
 

@@ -14,14 +14,17 @@
   autocast with a recording GradScaler and optimizer: with finite gradients, with an inf
   injected into one gradient, and with a scale below 1 (``init_scale=2**-4``) and a finite
   scaled gradient that overflows to inf only when unscaled, which the scaler does not
-  notice (``scaler.step`` alone would step on it). It compares the weights, the scale,
-  the call order and the returned pair with the reference. Its messages name the usual
-  mistakes:
+  notice (``scaler.step`` alone would step on it). It judges the state the boundary
+  leaves, never the calls it makes: the weights after the update, the scale (the checker's
+  scaler grows it after every finite window, so a missing ``update()`` shows), every
+  gradient cleared (``None`` or zero, through the optimizer, the model or by hand) and the
+  returned pair. When the state is wrong, the recorded calls name the usual mistake:
   clipping before unscaling (the clip then sees gradients multiplied by the scale),
   stepping the optimizer directly (an inf gradient then reaches the weights), updating the
   scale before the step, clearing the gradients too early, unscaling twice, the norm
   measured before ``unscale_`` or after the clip, ``applied`` taken from ``scaler.step``'s
-  return value (``None`` whether or not it stepped).
+  return value (what ``optimizer.step()`` returned when it stepped, ``None`` for SGD
+  without a closure, and ``None`` when it skipped).
 - ``scale_schedule`` (transfer): ``scale_schedule(nonfinite, init_scale, growth_interval)
   -> list[float]``, the scale each window's microbatches are multiplied by, for windows
   whose unscaled gradient is non-finite where ``nonfinite[i]`` is True, under GradScaler's
@@ -55,11 +58,11 @@ from .predictions import choice_prediction, number_prediction
 
 #: Relative tolerance on the weights after the update: both runs do the same float32 math.
 RTOL = 1e-5
-#: The order the checker expects, as the recording scaler and optimizer log it (the clip
-#: is checked by the norm of the gradient the optimizer receives, not by a log entry).
-EXPECTED = ["unscale_", "scaler.step", "optimizer.step", "update", "zero_grad"]
 #: A scale below 1: unscaling multiplies, so a finite scaled gradient can overflow.
 SMALL_SCALE = 2.0**-4
+#: The checker's scale and growth interval: with 1, every window without an inf doubles
+#: the scale, so a boundary that forgets ``scaler.update()`` leaves a visible difference.
+START_SCALE, GROWTH_INTERVAL = 2.0**10, 1
 
 
 def reference_window_boundary(
@@ -92,8 +95,8 @@ class _Log:
 
 
 class _RecordingScaler(torch.amp.GradScaler):
-    def __init__(self, log: _Log, init_scale: float = 2.0**10) -> None:
-        super().__init__("cpu", init_scale=init_scale)
+    def __init__(self, log: _Log, init_scale: float = START_SCALE) -> None:
+        super().__init__("cpu", init_scale=init_scale, growth_interval=GROWTH_INTERVAL)
         self.log = log
 
     def scale(self, outputs: Any) -> Any:
@@ -160,7 +163,7 @@ def _run(
     unscaling (× 1 / scale) turns into inf: ``unscale_`` checks the entries before it
     divides, so the scaler records no inf."""
     log = _Log()
-    scaler = _RecordingScaler(log, SMALL_SCALE if overflow else 2.0**10)
+    scaler = _RecordingScaler(log, SMALL_SCALE if overflow else START_SCALE)
     optimizer = _RecordingSGD(model.parameters(), log)
     optimizer.zero_grad(set_to_none=True)
     guard = inject_nonfinite(next(model.parameters())) if poison else contextlib.nullcontext()
@@ -180,8 +183,9 @@ def _run(
 
 
 def _order_problem(calls: list[str]) -> str | None:
-    """The first ordering mistake among the recorded scaler and optimizer calls (also on
-    a prefix of them, when the answer stopped with an error)."""
+    """What the recorded scaler and optimizer calls show went wrong, when the state an
+    answer left (or the error it raised) says something did. Never a verdict on its own:
+    a boundary that leaves the right state passes whatever its calls."""
 
     def pos(name: str) -> float:
         return calls.index(name) if name in calls else math.inf
@@ -203,24 +207,10 @@ def _order_problem(calls: list[str]) -> str | None:
             f"scaler.unscale_(optimizer) was called {len(unscales)} times; call it exactly "
             "once, after the last backward pass"
         )
-    if "scaler.step" not in calls:
-        return (
-            "step through scaler.step(optimizer), not optimizer.step(): only the scaler skips "
-            "the update when a gradient is inf or nan"
-        )
-    if pos("unscale_") > pos("scaler.step"):
+    if pos("unscale_") > first_step:
         return (
             "call scaler.unscale_(optimizer) yourself before clipping: without it the clip "
             "sees gradients multiplied by the scale"
-        )
-    if "update" not in calls:
-        return "call scaler.update() after scaler.step(optimizer): it is what moves the scale"
-    if calls[-1:] != ["zero_grad"]:
-        return "finish with optimizer.zero_grad(): the next window must start from no gradient"
-    if calls != EXPECTED:
-        return (
-            f"the calls ran as {' → '.join(calls)}; the boundary is "
-            "unscale_ → clip → scaler.step → update → zero_grad"
         )
     return None
 
@@ -229,6 +219,11 @@ def _clip_problem(norm_at_step: float | None, max_norm: float, true_norm: float)
     """Whether the gradient the optimizer received was clipped, and in which units."""
     if norm_at_step is None:
         return "the optimizer never stepped on a finite window; call scaler.step(optimizer)"
+    if norm_at_step == 0.0:
+        return (
+            "the optimizer stepped with no gradient: it was cleared before the step; clear "
+            "gradients last"
+        )
     if abs(norm_at_step - max_norm) <= 1e-3 * max_norm:
         return None
     if abs(norm_at_step - true_norm) <= 1e-3 * true_norm:
@@ -247,10 +242,25 @@ def _clip_problem(norm_at_step: float | None, max_norm: float, true_norm: float)
     )
 
 
+def _gradients_left(model: nn.Module) -> bool:
+    """Whether any ``.grad`` still holds a nonzero entry (None and zeros are both cleared)."""
+    return any(p.grad is not None and bool(p.grad.any()) for p in model.parameters())
+
+
+def _raised(where: str, error: Exception, log: _Log) -> str:
+    problem = _order_problem(log.calls)
+    return f"{where}your boundary raised {type(error).__name__}: {error}" + (
+        f" ({problem})" if problem else ""
+    )
+
+
 def check_window_boundary(answer: Callable[..., Any]) -> str | None:
-    """None when ``answer`` ends an fp16 window exactly like the reference (same weights,
-    same scale, the calls in order, the gradient clipped to ``max_norm`` in true units, a
-    window with an inf gradient skipped), else what is wrong."""
+    """None when ``answer`` leaves an fp16 window's boundary in the reference's state, else
+    what is wrong. The state is judged, not the calls: the weights after the update, the
+    scale, the gradients cleared (``None`` or zero, however they were cleared) and the
+    returned ``(applied, norm)``, on a finite window (the gradient clipped to ``max_norm`` in
+    true units), a window with an inf gradient and one that overflows only when unscaled
+    (nothing applied, the scale updated). The recorded calls only explain a wrong state."""
     if not callable(answer):
         return f"expected a function, got {type(answer).__name__}"
     with torch.random.fork_rng(devices=[]):  # leave the notebook's random state alone
@@ -262,22 +272,26 @@ def check_window_boundary(answer: Callable[..., Any]) -> str | None:
         _, ref_scaler, _ = _run(reference_window_boundary, reference, window, max_norm, False)
 
         log, scaler, error = _run(answer, model, window, max_norm, poison=False)
-        problem = _order_problem(log.calls)
         if error is not None:
-            return f"your boundary raised {type(error).__name__}: {error}" + (
-                f" ({problem})" if problem else ""
-            )
-        problem = problem or _clip_problem(log.norm_at_step, max_norm, true_norm)
-        if problem is not None:
-            return problem
+            return _raised("", error, log)
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             if not torch.allclose(p, q, rtol=RTOL, atol=1e-7):
-                return f"after the update {name} differs from the reference boundary"
+                return (
+                    _order_problem(log.calls)
+                    or _clip_problem(log.norm_at_step, max_norm, true_norm)
+                    or f"after the update {name} differs from the reference boundary"
+                )
         if scaler.get_scale() != ref_scaler.get_scale():
-            return f"the scale is {scaler.get_scale():g}, expected {ref_scaler.get_scale():g}"
-        if any(p.grad is not None and bool(p.grad.any()) for p in model.parameters()):
-            return "gradients are left after the boundary; clear them with optimizer.zero_grad()"
-        problem = _returned_problem(log.returned, True, true_norm, 2.0**10, max_norm)
+            return (
+                f"the scale is {scaler.get_scale():g} after a finite window, expected "
+                f"{ref_scaler.get_scale():g}: call scaler.update() after the step, every window"
+            )
+        if _gradients_left(model):
+            return (
+                "gradients are left after the boundary: clear them after the step "
+                "(optimizer.zero_grad()), so the next window starts from no gradient"
+            )
+        problem = _returned_problem(log.returned, True, true_norm, START_SCALE, max_norm)
         if problem is not None:
             return problem
 
@@ -286,18 +300,22 @@ def check_window_boundary(answer: Callable[..., Any]) -> str | None:
         before = [p.detach().clone() for p in model.parameters()]
         log, scaler, error = _run(answer, model, window, max_norm, poison=True)
         if error is not None:
-            return f"with an inf gradient your boundary raised {type(error).__name__}: {error}"
+            return _raised("with an inf gradient ", error, log)
         if any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)):
             return (
                 "with an inf gradient the weights changed: step through scaler.step(optimizer), "
-                "which skips the update, never optimizer.step() directly"
+                "which skips the update, or let the norm decide; never optimizer.step() "
+                "directly on every window"
             )
-        if scaler.get_scale() != 2.0**9:
+        if scaler.get_scale() != START_SCALE / 2:
             return (
-                "with an inf gradient the scale should back off from 1024 to 512, got "
-                f"{scaler.get_scale():g}; call scaler.update() after the step"
+                f"with an inf gradient the scale should back off from {START_SCALE:g} to "
+                f"{START_SCALE / 2:g}, got {scaler.get_scale():g}; call scaler.update() after "
+                "the step"
             )
-        problem = _returned_problem(log.returned, False, math.inf, 2.0**10, max_norm)
+        if _gradients_left(model):
+            return "with an inf gradient gradients are left; clear them every window"
+        problem = _returned_problem(log.returned, False, math.inf, START_SCALE, max_norm)
         if problem is not None:
             return problem
 
@@ -311,17 +329,17 @@ def check_window_boundary(answer: Callable[..., Any]) -> str | None:
             "unscaled"
         )
         if error is not None:
-            return f"{where} your boundary raised {type(error).__name__}: {error}"
+            return _raised(f"{where} ", error, log)
         if any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)):
             return (
                 f"{where}, the weights changed: unscale_ checks the entries before it "
                 "divides, so the scaler found no inf and scaler.step stepped; decide from "
                 "the norm, and when it is not finite call neither the clip nor the step"
             )
-        if "update" not in log.calls:
-            return f"{where} scaler.update() was not called; update the scale every window"
-        if any(p.grad is not None and bool(p.grad.any()) for p in model.parameters()):
-            return f"{where} gradients are left; clear them with optimizer.zero_grad()"
+        if scaler.get_scale() == SMALL_SCALE:
+            return f"{where} the scale did not move: call scaler.update() every window"
+        if _gradients_left(model):
+            return f"{where} gradients are left; clear them after the step"
         return _returned_problem(log.returned, False, math.inf, SMALL_SCALE, max_norm)
 
 
@@ -342,8 +360,9 @@ def _returned_problem(
         return f"norm must be a float (or a 0-d tensor), got {type(norm).__name__}"
     if got_applied is None:
         return (
-            "applied is None: scaler.step(optimizer) returns what optimizer.step() returned, "
-            "None whether or not it stepped; decide from the norm: math.isfinite(norm)"
+            "applied is None: scaler.step(optimizer) returns what optimizer.step() returned "
+            "when it steps (None for SGD without a closure) and None when it skips, so it "
+            "cannot tell; decide from the norm: math.isfinite(norm)"
         )
     if bool(got_applied) != applied:
         if applied:
@@ -549,8 +568,10 @@ cpu_softmax_dtype = choice_prediction(
     },
     hints=("The lists of operations autocast changes differ between CUDA and CPU.",),
     reasoning="CPU autocast casts matrix products to bf16 and promotes a few operations "
-    "(cross_entropy among them) to float32; softmax and layer_norm of a bf16 input stay bf16. "
-    "CUDA autocast runs softmax and layer_norm in float32.",
+    "(cross_entropy among them) to float32, but leaves softmax and layer norm of a 16-bit "
+    "input in 16 bits. CUDA autocast has other lists: it runs softmax, layer norm and the "
+    "loss in float32 (PyTorch's autocast documentation lists the operations per device). A "
+    "model that relies on a float32 softmax gets one on a GPU, not on a CPU.",
 )
 
 #: 2**-24, fp16's smallest value above zero: what 4e-8 rounds to.
@@ -569,8 +590,9 @@ fp16_of_4e_8 = number_prediction(
     hints=(
         "fp16's smallest value above zero is 2**-24 ≈ 5.96e-8, and a cast rounds to the nearest.",
     ),
-    reasoning="Below 2**-25 ≈ 2.98e-8 a value rounds to 0; from there to 2**-24 ≈ 5.96e-8 it "
-    "rounds up to 2**-24, the smallest subnormal.",
+    reasoning="A cast rounds to the nearest fp16 value. Below 2**-25 ≈ 2.98e-8, half of the "
+    "smallest subnormal, a value becomes 0; from there up to 2**-24 ≈ 5.96e-8 it rounds up to "
+    "2**-24, the smallest subnormal.",
 )
 
 #: AdamW's step count after three windows with the middle one skipped (notebook 03 §5).
@@ -588,7 +610,11 @@ adamw_steps_after_skip = number_prediction(
     },
     hints=("scaler.step(optimizer) calls optimizer.step() only when the gradient is finite.",),
     reasoning="Windows 0 and 2 apply an update (optimizer.step() runs), window 1 is skipped: "
-    "AdamW's step count is 2 while the ledger counts 3 attempts.",
+    "AdamW's step count is 2 while the ledger counts 3 attempts. The skipped window left "
+    "AdamW's state as it was and halved the scale. The scheduler follows applied updates "
+    "(al.train_window's scheduler_per=\"applied\"): window 2 runs at the learning rate of "
+    "the second applied update; a loop that steps the scheduler at every boundary runs one "
+    "update ahead per skip.",
 )
 
 __all__ = [

@@ -16,9 +16,10 @@ window up to ``A``, padding counted from the wrong side.
 - ``uneven_window`` (transfer): write one update attempt from one window under DDP when
   some ranks have no targets, ``uneven_window(model, window, optimizer, objective) ->
   float``. ``model`` is wrapped in ``DistributedDataParallel`` (call it as
-  ``model(input_ids=mb["input_ids"]).logits``), ``window`` is this rank's list of
+  ``model(input_ids=mb["input_ids"])``), ``window`` is this rank's list of
   microbatches (CPU dicts with ``input_ids`` and ``labels``), ``objective`` a
-  ``NextTokenLoss`` (``objective.count(mb)``, ``objective.loss_sum(logits, mb)``). Some of a
+  ``NextTokenLoss`` (``objective.count(mb)``, ``objective.loss_sum(output, mb)`` with the
+  model's output). Some of a
   rank's windows have no targets (every label -100), and one window has none on any rank.
   A window with targets somewhere must give the single-process token mean over every
   rank's targets with one gradient sync, and the function returns that window's loss: the
@@ -173,8 +174,8 @@ def reference_uneven_window(model, window, optimizer, objective):
     for i, mb in enumerate(window):  # every rank runs every microbatch, targets or not
         last = i == len(window) - 1
         with contextlib.nullcontext() if last else model.no_sync():  # the forward decides
-            logits = model(input_ids=mb["input_ids"]).logits
-            loss_sum = objective.loss_sum(logits, mb)
+            output = model(input_ids=mb["input_ids"])
+            loss_sum = objective.loss_sum(output, mb)
             (loss_sum * world / count).backward()  # × D: DDP averages the gradients
         logged += loss_sum.detach()  # this rank's sum, no graph
     optimizer.step()
@@ -237,13 +238,14 @@ def _diagnose_counts(results: list[dict[str, Any]]) -> str | None:
                 if steps:
                     return (
                         f"window {w} has no targets on any rank, yet optimizer.step() ran: "
-                        "when the all-reduced count is 0, return False before any forward "
-                        "(dividing by it gives nan)"
+                        "when the all-reduced count is 0, return float('nan') before any "
+                        "forward (dividing by it gives nan)"
                     )
                 if syncs:
                     return (
                         f"window {w} has no targets on any rank, yet it ran forward and "
-                        "backward passes: return False as soon as the all-reduced count is 0"
+                        "backward passes: return float('nan') as soon as the all-reduced "
+                        "count is 0"
                     )
                 continue
             if rank in empty and syncs == 0 and results[1 - rank]["syncs"][w] > 0:
@@ -461,11 +463,12 @@ uneven_window = Exercise(
         "Count the window's targets on the CPU, put the number in a tensor and "
         "dist.all_reduce it: every rank then holds the same total, so every rank takes "
         "the same branch.",
-        "A total of 0: return False at once, on every rank. Otherwise every rank runs every "
+        "A total of 0: return float('nan') at once, on every rank. Otherwise every rank runs every "
         "microbatch, also a rank whose own count is 0 (its loss_sum is 0, its backward adds "
         "nothing, but DDP's all-reduce needs it).",
         "Per microbatch: no_sync around the forward and backward of all but the last; "
-        "backpropagate objective.loss_sum(logits, mb) * dist.get_world_size() / total, and "
+        "backpropagate objective.loss_sum(model(input_ids=mb['input_ids']), mb) * "
+        "dist.get_world_size() / total, and "
         "add loss_sum.detach() to a running tensor. Then optimizer.step(), "
         "optimizer.zero_grad().",
         "The log: dist.all_reduce the running sum (every rank calls it, also one without "
@@ -492,7 +495,9 @@ local_count_mean = number_prediction(
         310 / 100 / 2: "what / global count without × D gives",
     },
     hints=("Rank 0's mean is 40/10, rank 1's is 270/90; DDP averages what the ranks hold.",),
-    reasoning="(4.0 + 3.0) / 2 = 3.5, while the window's token mean is 310 / 100 = 3.1.",
+    reasoning="Each rank's own mean is 40 / 10 = 4.0 and 270 / 90 = 3.0, and DDP averages "
+    "them: (4.0 + 3.0) / 2 = 3.5, while the window's token mean is 310 / 100 = 3.1, which "
+    "only × D / global count gives. Rank 0's 10 targets weigh as much as rank 1's 90.",
 )
 
 #: Notebook 04 §2: syncs per window with no_sync around the forward only (A = 4).
@@ -509,9 +514,16 @@ syncs_forward_only = number_prediction(
         0: "the last microbatch runs outside no_sync, so it synchronizes once",
     },
     hints=("Which call reads model.no_sync()'s flag: the forward or the backward?",),
-    reasoning="DDP reads the flag in the forward, where it prepares (or not) the reducer for "
-    "the backward: forwards 1..A-1 inside no_sync mean their backwards do not all-reduce, "
-    "wherever the backward runs. Only the last microbatch syncs: 1.",
+    reasoning="The forward decides. A forward run outside no_sync() prepares DDP's reducer "
+    "to all-reduce the gradients during the backward that follows; a forward run inside it "
+    "does not, and that backward only adds into the local .grad, wherever the backward "
+    "itself runs. So only the last microbatch syncs, and its backward all-reduces the "
+    "accumulated gradient: 1. Putting the backward inside too is the usual idiom, and what "
+    "ddp_window does. Every placement gives the same gradient (synchronizing each microbatch "
+    "averages partial sums, and the sum of averages is the average of sums): no_sync is "
+    "about traffic, one synchronization per window instead of A. Each synchronization "
+    "all-reduces every gradient bucket: one bucket for this small model, several for a "
+    "larger one.",
 )
 
 __all__ = [

@@ -136,7 +136,13 @@ momentum_baseline = Exercise(
         "train_window ends with zero_grad(set_to_none=True); SGD with momentum keeps one "
         "buffer the size of each parameter.",
     ),
-    reference="momentum_baseline = 2.0  # weights (1) + momentum buffers (1); gradients cleared",
+    reference=(
+        "momentum_baseline = 2.0  # weights (1) + momentum buffers (1); gradients cleared\n"
+        "Plain SGD keeps nothing between updates, momentum one buffer the size of the\n"
+        "weights, AdamW two; the gradients are gone by then (zero_grad(set_to_none=True)\n"
+        "closes every update). The state is made once, at the first update, and kept for\n"
+        "the whole run."
+    ),
     kind="prediction",
     answer=2.0,
 )
@@ -149,7 +155,13 @@ sum_then_backward_extra = Exercise(
         "alive?",
         "All A of them; the loop at A = 1 holds one at its peak as well.",
     ),
-    reference="sum_then_backward_extra = 7  # A - 1 = 8 - 1 microbatches' activations",
+    reference=(
+        "sum_then_backward_extra = 7  # A - 1 = 8 - 1 microbatches' activations\n"
+        "Summing before backward keeps every microbatch's graph, with its saved activations,\n"
+        "until the one backward: A - 1 more than the loop at A = 1. Backward per microbatch\n"
+        "costs the same at any A beyond 1 (the gradients, which exist from the second\n"
+        "microbatch on)."
+    ),
     kind="prediction",
     answer=7,
 )

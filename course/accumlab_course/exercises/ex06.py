@@ -27,6 +27,8 @@ a second division by the number of microbatches, ``zero_grad`` inside, a step in
   names the per-microbatch loss (average, sum or weighted), the whole window in one
   pass, a step inside and an empty ``.grad``.
 
+:func:`held_out_run` is section 4's training run, measured on the examples axis.
+
 Two predict-first questions, answered with a number before the cell that shows it:
 ``batchnorm_passes`` (``num_batches_tracked`` after 10 updates at ``m = 8 × A = 8``: one per
 forward pass) and ``examples_at_16_updates`` (the examples an ``A = 1`` run at ``m = 8`` has
@@ -35,6 +37,7 @@ seen at its update 16, where the ``A = 4`` runs end).
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -44,10 +47,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from accumlab.checks import compare, gradients, split_batch
+from accumlab.driver import train
+from accumlab.ledger import Ledger
 from accumlab.objectives import NextTokenLoss
+from accumlab.plan import AccumulationPlan
 
-from ..data import VOCAB_SIZE, Example, collate
+from ..data import VOCAB_SIZE, Example, collate, microbatches
 from ..models import TinyGPT
+from ..plots import RunCurve, run_curve
 from . import Exercise, fills_grad_only
 from .predictions import number_prediction
 
@@ -272,6 +279,58 @@ examples_at_16_updates = number_prediction(
               "updates it has seen 16 × 8 = 128 examples, a quarter of the 512 the A = 4 runs "
               "have used by their update 16: the update axis compares unequal amounts of data.",
 )
+
+
+# ---------------------------------------------------------------- the examples axis
+
+
+def held_out_run(
+    model: nn.Module,
+    train_examples: Sequence[Example],
+    held_out: Mapping[str, Tensor],
+    accumulation_steps: int,
+    lr: float,
+    *,
+    micro_batch_size: int = 8,
+    every: int = 64,
+) -> tuple[Ledger, RunCurve]:
+    """Section 4's run: a copy of ``model`` trained once over ``train_examples``
+    (shuffled with seed 0) in microbatches of ``micro_batch_size``, ``accumulation_steps``
+    per update, by :func:`accumlab.train` with AdamW at ``lr`` and the token-weighted
+    objective; the token-mean loss on ``held_out`` (a collated batch, nats per target, in
+    eval mode) measured before training and after every update that brings the examples
+    seen to a multiple of ``every``. Returns the ledger and the curve (held-out loss,
+    applied updates and examples seen at each measurement). ``every`` must be a multiple
+    of the examples per update, so that no measurement point is skipped."""
+    per_update = micro_batch_size * accumulation_steps
+    if every % per_update:
+        raise ValueError(f"every={every} is not a multiple of the {per_update} examples per "
+                         "update; measurements would skip points")
+    tokens = NextTokenLoss()
+    model = copy.deepcopy(model)
+
+    def loss() -> float:
+        with torch.no_grad():
+            logits = model.eval()(held_out["input_ids"])
+        model.train()
+        return float(tokens.loss_sum(logits, held_out)) / tokens.count(held_out)
+
+    values, updates, seen = [loss()], [0], [0]
+    ran = {"updates": 0, "examples": 0}
+
+    def measure(report: Any) -> None:  # after every update
+        ran["updates"] += 1
+        ran["examples"] += report.examples
+        if ran["examples"] % every == 0:
+            values.append(loss())
+            updates.append(ran["updates"])
+            seen.append(ran["examples"])
+
+    ledger = train(model, microbatches(list(train_examples), micro_batch_size, shuffle=True, seed=0),
+                   torch.optim.AdamW(model.parameters(), lr=lr),
+                   AccumulationPlan(micro_batch_size, accumulation_steps), tokens,
+                   progress=False, on_update=measure)
+    return ledger, run_curve(values, updates=updates, seen=seen)
 
 
 # ---------------------------------------------------------------- in-batch negatives

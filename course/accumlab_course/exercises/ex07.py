@@ -26,16 +26,23 @@ the returned float with the window's mean loss, then runs a window without targe
 
 The clinic's run: :func:`symptoms` measures what the user of a window loop sees (its log,
 its first update, how the update depends on the split, the learning rate, the memory a
-window adds) on :func:`clinic_windows` from :func:`clinic_model`'s weights.
+window adds) on :func:`clinic_windows` from :func:`clinic_model`'s weights, and
+:func:`clinic_table` prints it for several loops beside what :func:`accumlab.audit` names.
+:func:`window_peak` is the memory probe of the real run's budget.
+
+The checker of ``fixed_window`` refuses an answer that hands the window to the package's
+own loop (``al.train_window``, ``al.accumulate``, ``al.train``: the notebook runs
+``al.train_window`` above the exercise): the exercise is to write the window.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,9 +50,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from accumlab.checks import split_batch
+from accumlab.loop import train_window
 from accumlab.loop_audit.controlled_set import AuditLM, audit_windows
 from accumlab.loop_audit.run import audit
-from accumlab.memory import MemoryMeter
+from accumlab.memory import MemoryMeter, format_bytes
 from accumlab.mistakes import MISTAKES
 
 from ..data import VOCAB_SIZE, collate, load_examples, microbatches
@@ -172,11 +181,54 @@ def _logged_and_empty_window(answer: Any) -> str | None:
     return None
 
 
+#: accumlab's own loops: an answer that calls one hands the window to the package.
+PACKAGE_LOOPS = ("train_window", "accumulate", "train")
+
+
+@contextlib.contextmanager
+def package_loop_calls() -> Iterator[list[str]]:
+    """Record, while the block runs, every call of accumlab's own loops made through the
+    ``accumlab`` module (``al.train_window(...)``, as the notebook writes it); yields the
+    list of names called. The loops still run: only the calls are noted."""
+    import accumlab
+
+    called: list[str] = []
+    originals = {name: getattr(accumlab, name) for name in PACKAGE_LOOPS}
+
+    def recorder(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            called.append(name)
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    try:
+        for name in PACKAGE_LOOPS:
+            setattr(accumlab, name, recorder(name))
+        yield called
+    finally:
+        for name, original in originals.items():
+            setattr(accumlab, name, original)
+
+
 def check_fixed_window(answer: Any) -> str | None:
     """None when :func:`accumlab.audit` finds nothing wrong with ``answer``, it returns the
-    window's mean loss as a float and skips a window without targets; else what is wrong."""
+    window's mean loss as a float and skips a window without targets, without handing the
+    window to the package's own loop; else what is wrong."""
     if not callable(answer):
         return f"expected a function, got {type(answer).__name__}"
+    with package_loop_calls() as called:
+        problem = _check_own_window(answer)
+    if called:
+        return (
+            f"it calls al.{called[0]}, the package's own loop: the exercise is to fix "
+            "review_window's loop itself, so write the window's forward and backward passes, "
+            "its count and its step in fixed_window (al.audit compares them with the reference)"
+        )
+    return problem
+
+
+def _check_own_window(answer: Any) -> str | None:
     report = audit(answer)
     if not report.ok:
         if report.mistakes:
@@ -296,6 +348,48 @@ def symptoms(loop: WindowLoop) -> Symptoms:
         lr=lr,
         growth_bytes=(live[-1] - live[0]) / (len(live) - 1),
     )
+
+
+def window_peak(model: nn.Module, window: Sequence[Mapping[str, Tensor]], m: int,
+                objective: Any, precision: str = "bf16") -> int:
+    """Peak bytes, by a CPU :class:`~accumlab.MemoryMeter`, of one AdamW update of ``model``
+    on ``window``'s examples split into microbatches of ``m`` (each microbatch of ``window``
+    must hold a multiple of ``m`` examples): the memory probe notebook 07 sets its budget
+    with (notebook 05 teaches it)."""
+    parts = []
+    for mb in window:
+        rows = int(mb["input_ids"].shape[0])
+        if rows % m:
+            raise ValueError(f"a microbatch of {rows} examples does not split into m={m}")
+        parts += split_batch(mb, [m] * (rows // m))
+    meter = MemoryMeter("cpu")
+    train_window(model, parts, torch.optim.AdamW(model.parameters()), objective,
+                 precision=precision, meter=meter)
+    return meter.peak_bytes
+
+
+def clinic_table(loops: Sequence[WindowLoop]) -> tuple[dict[str, Symptoms], dict[str, Any]]:
+    """The clinic's table: each loop run by :func:`symptoms` and by :func:`accumlab.audit`,
+    one printed row per loop (its name; its logged loss and the size of its first update
+    over the first loop's; the split gap; the learning rate after one window; the live
+    memory each later window adds; the mistakes the audit names, or ``ok``). The first
+    loop is the correct window the others are measured against. Returns the symptoms and
+    the audit reports, by loop name."""
+    seen: dict[str, Symptoms] = {}
+    reports: dict[str, Any] = {}
+    print(f"{'loop':23}  logged  update  split      lr      memory  audit")
+    print(f"{'':23} / right / right    gap after 1    / window")
+    right = None
+    for loop in loops:
+        name = loop.__name__
+        seen[name], reports[name] = symptoms(loop), audit(loop)
+        right = right or seen[name]
+        s = seen[name]
+        logged = "-" if s.logged is None or right.logged is None else f"{s.logged / right.logged:.3f}"
+        print(f"{name:23} {logged:>7} {float(s.update.norm() / right.update.norm()):7.3f} "
+              f"{s.split_gap:6.0%} {s.lr:7.4g} {format_bytes(s.growth_bytes):>11}  "
+              f"{', '.join(reports[name].mistakes) or 'ok'}")
+    return seen, reports
 
 
 # ---------------------------------------------------------------- predict first
