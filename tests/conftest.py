@@ -49,46 +49,42 @@ def _exercise_messages_on_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # ------------------------------------------------------------ make test's schedule and log
 
-#: The test files and notebooks that take longest, longest first (by the CPU seconds of
-#: each, its spawned processes included, plus the seconds it waits idle, measured in a
-#: serial run). ``make test`` hands whole files to its workers (pytest-xdist, ``--dist
-#: loadfile --no-loadscope-reorder``) in collection order, each worker taking the next file
-#: when it runs low; starting the long ones first keeps every worker busy to the end,
-#: instead of one finishing a long file it took last while the other waits. Files not
-#: named here follow in pytest's order. A stale order costs only balance; the log's "where
-#: the time went" shows the slowest files (tests/infra/test_schedule.py checks that each
-#: entry names a file that exists).
+#: The test files and notebooks that take longest, longest first (by the seconds each took
+#: on its worker in make test and make slow on a quiet 2-core machine). ``make test`` hands
+#: whole files to its workers (pytest-xdist, ``--dist loadfile --no-loadscope-reorder``) in
+#: collection order, each worker taking the next file when it runs low; starting the long
+#: ones first keeps every worker busy to the end, instead of one finishing a long file it
+#: took last while the other waits. Files not named here follow in pytest's order. A stale
+#: order costs only balance; the log's "where the time went" shows the slowest files
+#: (tests/infra/test_schedule.py checks that each entry names a file that exists).
 LONGEST_FIRST = (
     # the slow tier's (make slow); their other tests, in make test, take a few seconds
+    "tests/infra/test_site.py",
     "tests/infra/test_install_cell.py",
     "tests/hf/test_hf_audit_versions.py",
-    "tests/infra/test_site.py",
-    "tests/notebooks/test_hf_requirements.py",
-    "tests/infra/test_nbval_matrix.py",
+    "tests/hf/test_trl_trainers.py",
     "tests/infra/test_wheel.py",
+    "tests/infra/test_nbval_matrix.py",
+    "tests/hf/test_hf_audit_ranks.py",
+    "tests/notebooks/test_hf_requirements.py",
     # make test's
+    "tests/course/test_exercises_03_04.py",  # a 20 s process-group timeout inside
     "notebooks/04_ddp_no_sync.ipynb",
     "tests/cli/test_cli_trust.py",
-    "tests/course/test_exercises_03_04.py",  # 18 s CPU and a 20 s process-group timeout
-    "tests/checkpoint/test_resume_trust.py",
-    "tests/checkpoint/test_resume.py",
-    "tests/hf/test_hf_callback.py",
-    "tests/core/test_chunked_loss.py",
-    "tests/distributed/test_rank_decisions.py",
     "tests/distributed/test_distributed.py",
-    "tests/hf/test_hf_jobs.py",
+    "tests/hf/test_hf_callback.py",
+    "tests/distributed/test_rank_decisions.py",
+    "tests/core/test_chunked_loss.py",
     "notebooks/05_memory_instrumentation.ipynb",
     "notebooks/07_capstone.ipynb",
-    "tests/hf/test_hf_audit_ranks.py",
-    "notebooks/02_token_weighting.ipynb",
-    "tests/hf/test_hf_audit.py",
-    "notebooks/06_when_equivalence_ends.ipynb",
-    "tests/driver/test_memory.py",
-    "notebooks/01_single_device_loop.ipynb",
     "tests/checkpoint/test_checkpoint_lock.py",
+    "notebooks/02_token_weighting.ipynb",
+    "notebooks/01_single_device_loop.ipynb",
+    "notebooks/06_when_equivalence_ends.ipynb",
+    "tests/hf/test_hf_audit.py",
+    "tests/driver/test_memory.py",
     "notebooks/03_amp_gradscaler.ipynb",
-    "tests/hf/test_hf_invariance_jobs.py",
-    "tests/driver/test_train_args.py",
+    "tests/hf/test_hf_jobs.py",
     "notebooks/08_audit_your_job.ipynb",
 )
 
