@@ -61,9 +61,15 @@ export MPLBACKEND := Agg
 export PYTHONHASHSEED := 0
 TEST_ENV := TQDM_DISABLE=1 OMP_NUM_THREADS=1
 NOTEBOOKS ?= $(sort $(wildcard notebooks/[0-9]*.ipynb))
-# `make test` runs the unit tests and the notebooks side by side, one core each; each
-# prints its output and its time when it ends. TEST_JOBS=1 runs them one after the other.
+# The test stages run pytest over TEST_JOBS worker processes, one a core (pytest-xdist):
+# each test file and each notebook runs whole on one worker (its module fixtures made once,
+# a notebook's cells in order in one kernel), the longest first (LONGEST_FIRST in
+# tests/conftest.py), each worker taking the next file when it runs low, so both cores stay
+# busy to the end. TEST_JOBS=0 runs everything in one process. Each run's log ends with
+# where the time went (per worker, per directory, the slowest files) and the slowest tests.
 TEST_JOBS ?= 2
+PYTEST := env $(TEST_ENV) $(BIN)/python -m pytest -q -p no:cacheprovider \
+  -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder --durations=20
 # Each stage prints its name and wall time when it ends (tools/timed).
 TIMED := tools/timed
 
@@ -94,10 +100,13 @@ $(VENV)/.installed-lab: $(VENV)/.installed-core
 	@$(TIMED) "install the lab" $(PIP) -e . -e "./course[lab]"
 	@touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed-core
-	@echo "installing the test tools (pytest, nbval, hypothesis, ruff) ..."
-	@$(TIMED) "install the test tools" $(PIP) -e ".[dev]" -e ./course
-	@touch $@
+# The test tools with the library and the course in one pip run (resolving the lock twice,
+# once for the course and once for the tools, took about half a minute more); it stands for
+# the course's install too, so `make test` installs once.
+$(VENV)/.installed-dev: pyproject.toml course/pyproject.toml $(VENV)/.installed-torch
+	@echo "installing accumlab and the course (editable) with the test tools (pytest, nbval, hypothesis, ruff) ..."
+	@$(TIMED) "install accumlab, the course and the test tools" $(PIP) -e ".[dev]" -e ./course
+	@touch $(VENV)/.installed-core $@
 
 # Serve the repository root; the URL JupyterLab opens or prints (with its token) is the
 # course's workspace: the learner's copies in the file browser, notebook 00 open.
@@ -148,17 +157,19 @@ lint: $(VENV)/.installed-dev
 # the lock's, the wheel and fresh environments, the site build). `make slow` runs that
 # tier; .ci/run runs it after `make test`.
 unit: $(VENV)/.installed-dev
-	@$(TIMED) "unit tests" env $(TEST_ENV) $(BIN)/python -m pytest -q -m "not slow" tests
+	@$(TIMED) "unit tests" $(PYTEST) -m "not slow" tests
 
 slow: $(VENV)/.installed-dev $(HF_OLD_INSTALLED)
-	@$(TIMED) "slow tests" env $(TEST_ENV) $(BIN)/python -m pytest -q -m slow tests
+	@$(TIMED) "slow tests" $(PYTEST) -m slow tests
 
 nbval: $(VENV)/.installed-dev
-	@$(TIMED) "notebooks (strict nbval)" env $(TEST_ENV) $(BIN)/python -m pytest -q -p no:cacheprovider --nbval $(NOTEBOOKS)
+	@$(TIMED) "notebooks (strict nbval)" $(PYTEST) --nbval $(NOTEBOOKS)
 
-test: check lint
-	@echo "running the unit tests and the notebooks side by side ($(TEST_JOBS) jobs); each prints when it ends ..."
-	@$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target unit nbval
+# The unit tests and the notebooks in one session, over both cores (see TEST_JOBS). The
+# test tools first: their install is the course's too, so check finds it done.
+test: $(VENV)/.installed-dev check lint
+	@echo "running the unit tests and the notebooks under strict nbval on $(TEST_JOBS) workers ..."
+	@$(TIMED) "unit tests and notebooks" $(PYTEST) -m "not slow" --nbval tests $(NOTEBOOKS)
 
 # Strict nbval under several CPU kernel choices (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA,
 # thread count): lists every cell whose output depends on them. Run it before committing

@@ -413,12 +413,18 @@ def test_plot_window_timeline_draws_a_labelled_box_per_event():
 
 @pytest.mark.distributed
 def test_ddp_window_timeline_syncs_once_with_no_sync_and_a_times_without():
-    from accumlab.distributed import launch
+    from helpers.shared_launch import SharedLaunch
+
     from accumlab_course import workers
 
     a = 3
-    for sync, expected in (("window", 1), ("microbatch", a)):
-        per_rank = launch(workers.window_timeline, 2, (a, sync))
+    syncs = {"window": 1, "microbatch": a}  # the expected syncs per window
+    # both timelines from one launch of two ranks
+    timelines = SharedLaunch(
+        2, {sync: (workers.window_timeline, (a, sync)) for sync in syncs}, deadline_s=None
+    )
+    for sync, expected in syncs.items():
+        per_rank = timelines[sync]
         for rank, events in enumerate(per_rank):
             kinds = [e.kind for e in events]
             assert {e.rank for e in events} == {rank}

@@ -2,8 +2,9 @@
 
 Tests marked ``distributed`` spawn two gloo processes through ``accumlab.distributed.launch``
 (the workers live in ``accumlab_course.workers``; those only tests use in
-``tests/helpers/course_workers.py``); each has a deadline well under a minute, so a hang fails
-the test instead of stalling CI. The others check the same logic in one process:
+``tests/helpers/course_workers.py``); each worker has a deadline well under a minute, so a
+hang fails the test instead of stalling CI. The workers that succeed on every rank share one
+launch (``helpers/shared_launch.py``); the tests of a failing rank launch their own. The others check the same logic in one process:
 ``aligned_windows`` with the peers' answers simulated, the padding microbatch, the
 example-ID checks, the data-parallel size.
 """
@@ -15,6 +16,7 @@ import math
 import pytest
 import torch
 from helpers import course_workers  # tests/helpers/course_workers.py: workers only the tests launch
+from helpers.shared_launch import SharedLaunch
 from torch.utils.data.distributed import DistributedSampler
 
 import accumlab as al
@@ -35,10 +37,28 @@ def launch(fn, *args, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def ddp_run():
-    """DDP, A=4, m=2: rank 0 has 13 short examples (7 microbatches, windows of 4 and 3),
-    rank 1 has 10 long ones (5 microbatches, windows of 4 and 1)."""
-    return launch(workers.gradient_agreement, "ddp", 2, 4, (13, 10), False)
+def ranks() -> SharedLaunch:
+    """The workers of this module's tests that succeed on every rank, in one launch of two
+    ranks (``helpers/shared_launch.py``; each launched alone if that one fails)."""
+    return SharedLaunch(
+        2,
+        {
+            # DDP, A=4, m=2: rank 0 has 13 short examples (7 microbatches, windows of 4
+            # and 3), rank 1 has 10 long ones (5 microbatches, windows of 4 and 1).
+            "ddp": (workers.gradient_agreement, ("ddp", 2, 4, (13, 10), False)),
+            # FSDP2, A=3 and an iterator without len()
+            "fsdp2": (workers.gradient_agreement, ("fsdp2", 2, 3, (13, 10), True)),
+            "syncs": (workers.count_syncs, (4, 2)),
+            "uneven": (workers.uneven_ranks, ((1, 4), 2)),
+            "sampler": (course_workers.sampler_ids, (9,)),
+        },
+        deadline_s=DEADLINE_S,
+    )
+
+
+@pytest.fixture(scope="module")
+def ddp_run(ranks):
+    return ranks["ddp"]
 
 
 @pytest.mark.distributed
@@ -81,10 +101,10 @@ def test_ddp_ledger_counts_own_work_and_record_sums_ranks(ddp_run):
 
 
 @pytest.mark.distributed
-def test_fsdp2_gradient_equals_single_process_full_batch():
+def test_fsdp2_gradient_equals_single_process_full_batch(ranks):
     # A=3 and an iterator without len(): rank 0 has windows of 3, 3, 1; rank 1 of 3, 2,
     # then none, so the ranks agree window by window and rank 1 pads twice.
-    rank0, rank1 = launch(workers.gradient_agreement, "fsdp2", 2, 3, (13, 10), True)
+    rank0, rank1 = ranks["fsdp2"]
     assert rank0["replicas"] == 2
     assert rank0["microbatches_per_window"] == rank1["microbatches_per_window"] == [3, 3, 1]
     assert rank1["padding_per_window"] == [0, 1, 1]
@@ -95,9 +115,9 @@ def test_fsdp2_gradient_equals_single_process_full_batch():
 
 
 @pytest.mark.distributed
-def test_one_sync_per_window_with_no_sync_and_a_without():
+def test_one_sync_per_window_with_no_sync_and_a_without(ranks):
     a, windows = 4, 2
-    rank0, _ = launch(workers.count_syncs, a, windows)
+    rank0, _ = ranks["syncs"]  # count_syncs(a, windows)
     assert rank0["forward and backward"]["syncs"] == windows  # what accumlab.train does
     assert rank0["none"]["syncs"] == a * windows
     # DDP decides at forward time: a forward outside no_sync syncs anyway
@@ -109,9 +129,9 @@ def test_one_sync_per_window_with_no_sync_and_a_without():
 
 
 @pytest.mark.distributed
-def test_rank_with_fewer_windows_finishes_and_ranks_stay_identical():
+def test_rank_with_fewer_windows_finishes_and_ranks_stay_identical(ranks):
     # rank 0 has one window, rank 1 four; without alignment rank 1 would wait forever
-    rank0, rank1 = launch(workers.uneven_ranks, (1, 4), 2)
+    rank0, rank1 = ranks["uneven"]
     assert rank0["ledger"].update_attempts == rank1["ledger"].update_attempts == 4
     assert rank0["ledger"].padding_microbatches == 6 and rank1["ledger"].padding_microbatches == 0
     assert rank0["ledger"].examples == 4 and rank1["ledger"].examples == 16
@@ -122,8 +142,8 @@ def test_rank_with_fewer_windows_finishes_and_ranks_stay_identical():
 
 
 @pytest.mark.distributed
-def test_gathered_ids_catch_distributed_sampler_duplicates():
-    rank0, rank1 = launch(course_workers.sampler_ids, 9)
+def test_gathered_ids_catch_distributed_sampler_duplicates(ranks):
+    rank0, rank1 = ranks["sampler"]
     padded = rank0["DistributedSampler"]
     assert not padded.ok
     assert padded.duplicates == {0: [0, 1]}  # example 0 repeated to even out the ranks

@@ -2,9 +2,11 @@
 data-parallel collective runs on the model's data-parallel group, a compiled DDP model
 is accepted, and ranks whose plans disagree are told which field differs.
 
-Each test spawns gloo processes through ``accumlab.distributed.launch`` with a short
+The tests spawn gloo processes through ``accumlab.distributed.launch`` with a short
 process-group timeout, so a rank left alone in a collective fails in seconds, and a
-deadline well under a minute. The workers live in ``tests/helpers/rank_workers.py``.
+deadline well under a minute per worker. The two-rank workers share one launch
+(``helpers/shared_launch.py``); the four-rank one has its own. The workers live in
+``tests/helpers/rank_workers.py``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import rank_workers
+from helpers.shared_launch import SharedLaunch
 
 from accumlab import distributed as ald
 
@@ -19,14 +22,32 @@ TIMEOUT_S = 10  # process-group timeout: a rank waiting alone in a collective fa
 DEADLINE_S = 60  # whole launch
 
 
+FIELDS = ["accumulation_steps", "micro_batch_size", "last_window"]
+
+
 def launch(fn, nprocs, *args):
     return ald.launch(fn, nprocs, args, timeout_s=TIMEOUT_S, deadline_s=DEADLINE_S)
 
 
-@pytest.mark.distributed
-def test_fsdp2_nonfinite_shard_skips_on_every_rank():
+@pytest.fixture(scope="module")
+def two_ranks() -> SharedLaunch:
     combos = [(None, "fp32"), (1.0, "fp32"), (None, "fp16"), (0.5, "fp16")]
-    rank0, rank1 = launch(rank_workers.fsdp2_nonfinite_shard, 2, combos)
+    return SharedLaunch(
+        2,
+        {
+            "fsdp2 nonfinite": (rank_workers.fsdp2_nonfinite_shard, (combos,)),
+            "compiled ddp": (rank_workers.compiled_ddp, (3,)),
+            "plans": (rank_workers.disagreeing_plans, (FIELDS,)),
+        },
+        timeout_s=TIMEOUT_S,
+        deadline_s=DEADLINE_S,
+    )
+
+
+@pytest.mark.distributed
+def test_fsdp2_nonfinite_shard_skips_on_every_rank(two_ranks):
+    rank0, rank1 = two_ranks["fsdp2 nonfinite"]  # one run per (clip, precision) combination
+    assert len(rank0) == len(rank1) == 4
     for run0, run1 in zip(rank0, rank1, strict=True):
         assert run0 == run1, f"ranks disagree for {run0['clip']}, {run0['precision']}"
         applied = [w["applied"] for w in run0["windows"]]
@@ -59,8 +80,8 @@ def test_data_parallel_collectives_use_the_models_group_not_world():
 
 
 @pytest.mark.distributed
-def test_compiled_ddp_model_is_accepted_and_gets_the_rules_gradient():
-    rank0, rank1 = launch(rank_workers.compiled_ddp, 2, 3)
+def test_compiled_ddp_model_is_accepted_and_gets_the_rules_gradient(two_ranks):
+    rank0, rank1 = two_ranks["compiled ddp"]  # A = 3
     for result in (rank0, rank1):
         assert result["replicas"] == 2
         (seen,) = result["seen"]
@@ -69,9 +90,8 @@ def test_compiled_ddp_model_is_accepted_and_gets_the_rules_gradient():
 
 
 @pytest.mark.distributed
-def test_ranks_whose_plans_differ_are_told_which_field():
-    fields = ["accumulation_steps", "micro_batch_size", "last_window"]
-    for messages in launch(rank_workers.disagreeing_plans, 2, fields):
-        for field in fields:
+def test_ranks_whose_plans_differ_are_told_which_field(two_ranks):
+    for messages in two_ranks["plans"]:
+        for field in FIELDS:
             assert field in messages[field] and "rank 0" in messages[field], messages[field]
             assert "rank 1" in messages[field]

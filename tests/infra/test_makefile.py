@@ -136,14 +136,39 @@ def test_lab_serves_the_repository_root_in_the_course_workspace(tmp_path):
     assert overrides["@jupyterlab/apputils-extension:notification"]["fetchNews"] == "false"
 
 
-def test_test_runs_unit_and_nbval_side_by_side_and_times_each_stage(tmp_path):
-    text = "\n".join(dry_run(tmp_path, "test"))
-    assert "-j2 --output-sync=target unit nbval" in text
-    for stage in ('"smoke check"', "lint", '"unit tests"', '"notebooks (strict nbval)"'):
-        assert f"tools/timed {stage} " in text
+def _pytest_line(lines: list[str], stage: str) -> str:
+    (line,) = [x for x in lines if f'tools/timed "{stage}" ' in x]
+    return line
+
+
+def test_test_runs_the_unit_tests_and_notebooks_in_one_session_over_both_cores(tmp_path):
+    lines = dry_run(tmp_path, "test")
+    for stage in ('"smoke check"', "lint"):
+        assert any(f"tools/timed {stage} " in x for x in lines), stage
+    line = _pytest_line(lines, "unit tests and notebooks")
+    # one pytest session over two workers (pytest-xdist), a file or notebook whole on one,
+    # in the order tests/conftest.py gives (the longest first), the slowest tests listed
+    assert " -n 2 --dist loadfile --no-loadscope-reorder --durations=" in line
+    notebooks = " ".join(sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("notebooks/[0-9]*.ipynb")))
+    assert line.endswith(f'-m "not slow" --nbval tests {notebooks}')
+    assert "-m pytest" in line and "OMP_NUM_THREADS=1" in line
+    # TEST_JOBS=0: everything in one process
+    serial = dry_run(tmp_path, "test", "TEST_JOBS=0")
+    assert " -n 0 --dist loadfile " in _pytest_line(serial, "unit tests and notebooks")
     result = subprocess.run(["bash", str(ROOT / "tools" / "timed"), "stage x", "false"],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 1 and result.stdout.startswith("== stage x: FAILED (exit 1) in ")
+
+
+def test_unit_nbval_and_slow_are_the_parts_on_their_own(tmp_path):
+    for target, stage, ending in [
+        ("unit", "unit tests", '-m "not slow" tests'),
+        ("nbval", "notebooks (strict nbval)", "--nbval notebooks/"),
+        ("slow", "slow tests", "-m slow tests"),
+    ]:
+        line = _pytest_line(dry_run(tmp_path, target), stage)
+        assert " -n 2 --dist loadfile --no-loadscope-reorder " in line, target
+        assert ending in line, target
 
 
 def test_the_course_workspace_opens_the_learners_notebook_00():
@@ -196,14 +221,41 @@ def test_ci_installs_the_locks_torch_on_disk_and_runs_make_test_then_the_slow_ti
     script = (ROOT / ".ci" / "run").read_text()
     (install,) = [line for line in script.splitlines() if "pip install" in line]
     assert '"$torch"' in install and "index-url" not in install
+    assert install.startswith('tools/timed "install PyTorch" ')
     # $torch is the lock's exact pin, read the way the script reads it
     torch = subprocess.run(["bash", "-c", "grep '^torch==' constraints.txt"], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.strip()
     assert torch == "torch==2.13.0" and "torch=$(grep '^torch==' constraints.txt)" in script
-    # make test first (the README's command), then the slow tier, then the site
-    assert re.search(r"^for stage in test slow site; do$", script, re.MULTILINE)
-    assert 'make "$stage" PIPFLAGS=-q' in script
+    # make test first (the README's command), then the slow tier, each stage timed; pip
+    # quiet and without byte-compiling at install time
+    makes = [line for line in script.splitlines() if line.startswith('tools/timed "make ')]
+    assert makes == [
+        'tools/timed "make test" make test PIPFLAGS="$pipflags"',
+        'tools/timed "make slow" make -j3 --output-sync=target slow PIPFLAGS="$pipflags"',
+    ]
+    assert 'pipflags="-q --no-compile"' in script
+    # modules are compiled on first import, so Python must be let write the bytecode
+    assert "\nunset PYTHONDONTWRITEBYTECODE\n" in script
     assert "TORCH_INDEX" not in script  # never PyTorch's index (a CUDA or remote download)
+
+
+def test_make_site_is_the_build_and_the_check_that_the_slow_tier_runs(tmp_path):
+    """.ci/run builds the site once, in the slow tier's
+    tests/infra/test_site.py::test_make_site_builds_every_lesson_offline_and_the_check_passes,
+    which runs the two scripts `make site` runs, after installing the site tools the
+    dev extra holds too."""
+    lines = dry_run(tmp_path, "site")
+    (install,) = [x for x in pip_lines(lines) if '".[site]"' in x]
+    assert '-e ".[site]" -e ./course' in install and "-c constraints.txt" in install
+    build = next(i for i, x in enumerate(lines) if "tools/build_site.py" in x)
+    check = next(i for i, x in enumerate(lines) if "tools/check_site.py" in x)
+    assert lines.index(install) < build < check
+    tomllib = pytest.importorskip("tomllib")
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    assert "accumlab[site]" in dev
+    source = (ROOT / "tests" / "infra" / "test_site.py").read_text()
+    test = source[source.index("@pytest.mark.slow\ndef test_make_site_builds_every_lesson"):]
+    assert '"build_site.py"' in test and '"check_site.py"' in test
 
 
 def test_slow_installs_every_transformers_release_the_version_test_runs(tmp_path):

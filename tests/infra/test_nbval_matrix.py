@@ -55,6 +55,7 @@ def test_parse_junit_reads_passes_and_failures(tmp_path):
     }
 
 
+@pytest.mark.slow  # four pytest sessions, four kernels and four PyTorch imports: 22 CPU s
 def test_the_tool_names_the_cell_that_depends_on_a_kernel_choice(tmp_path, capsys):
     # A notebook whose second cell prints the oneDNN cap: saved as on a machine without it.
     nb = nbformat.v4.new_notebook()
