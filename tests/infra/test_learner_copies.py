@@ -88,7 +88,7 @@ def test_the_copies_folder_is_ignored_by_git_and_matches_every_lesson():
     every = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     assert [p.name for p in lessons] == [p.name for p in every]
     assert lessons[0].name == "00_start_here.ipynb"
-    assert lessons[-1].name == "08_audit_your_job.ipynb"
+    assert lessons[-1].name == "09_who_divides_by_what.ipynb"
 
 
 def test_relative_links_resolve_from_the_copies_folder():
