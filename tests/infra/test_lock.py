@@ -70,3 +70,23 @@ def test_the_tested_transformers_releases_are_the_locks_and_the_slow_tiers():
     for release in old:
         pins = re.search(rf"^HF_PINS_{re.escape(release)} := (.+)$", makefile, re.M).group(1)
         assert pins and all("==" in p for p in pins.split()), (release, pins)
+
+
+def test_latest_reports_each_moved_release_and_each_failure(tmp_path):
+    """What `make latest` prints, from its two pure parts: the releases that differ from
+    the lock (moved, new, gone) and one line per failed test of a JUnit report."""
+    assert lock.changes({"torch": "2.13.0", "transformers": "5.24.0", "gone": "1"},
+                        {"torch": "2.13.0", "transformers": "5.25.0", "kernels": "0.19.1"}) == [
+        "  gone: 1 -> (no longer installed)",
+        "  kernels: (not in the lock) -> 0.19.1",
+        "  transformers: 5.24.0 -> 5.25.0",
+    ]
+    junit = tmp_path / "r.xml"
+    junit.write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="tests.hf.test_a" name="test_ok"/>'
+        '<testcase classname="tests.hf.test_a" name="test_bad"><failure message="assert 1 == 2&#10;more"/></testcase>'
+        '<testcase classname="nb" name="Cell 5"><error message="cell failed"/></testcase>'
+        '</testsuite></testsuites>')
+    assert lock.failures(junit) == (3, ["  tests.hf.test_a::test_bad: assert 1 == 2",
+                                        "  nb::Cell 5: cell failed"])
