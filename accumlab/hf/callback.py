@@ -43,6 +43,7 @@ from typing import Literal
 from transformers import Trainer, TrainerCallback
 
 from ..objectives import Objective
+from .audit import unmeasurable
 from .capture import TrainerCapture
 from .report import TrainerAuditReport
 
@@ -111,7 +112,7 @@ class AuditCallback(TrainerCallback):
         self._trainer = _calling_trainer()
         self.reports = []
         try:
-            reason = _unmeasurable(self._trainer)
+            reason = unmeasurable(self._trainer, in_run=True)
             if reason is None:
                 self._left = self.steps
                 self._recorder = TrainerCapture()
@@ -198,19 +199,6 @@ def _calling_trainer() -> Trainer:
         "AuditCallback runs inside trainer.train(): pass it as Trainer(..., "
         "callbacks=[AuditCallback()]) or trainer.add_callback(AuditCallback())"
     )
-
-
-def _unmeasurable(trainer: Trainer) -> str | None:
-    """Why the audit cannot measure this run's gradient, or None when it can."""
-    if not any(p.requires_grad for p in trainer.model.parameters()):
-        return "the model has no trainable parameter (every requires_grad is False)"
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        return "DeepSpeed owns the gradient (partitioned, scaled inside its engine)"
-    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
-        return "FSDP shards the gradient inside Accelerate's plugin"
-    if getattr(trainer.args, "n_gpu", 1) > 1:
-        return "torch.nn.DataParallel (several GPUs in one process) is not audited: use torchrun"
-    return None
 
 
 __all__ = ["AccumulationError", "AccumulationWarning", "AuditCallback"]

@@ -505,3 +505,18 @@ def test_a_loss_scale_is_divided_out(kind, mistakes, scale):
     report = ah.audit_trainer(trainer)
     assert report.mistakes == mistakes
     assert report.scale == pytest.approx(scale, abs=1e-3)
+
+
+def test_one_list_of_reasons_for_the_audit_and_the_callback():
+    """audit_trainer and AuditCallback refuse the same jobs from one list; DeepSpeed's line
+    says why (it steps inside accelerator.backward; DeepSpeed 0.19.8 at ZeRO 0-2 was run to
+    find out) and what to do; an iterable dataset is refused only outside a run."""
+    from accumlab.hf.audit import unmeasurable
+
+    reason = unmeasurable(_deepspeed(), in_run=True)
+    assert reason == unmeasurable(_deepspeed())
+    assert "inside accelerator.backward" in reason
+    assert "audit the same Trainer built without the deepspeed argument" in reason
+    stream = hw.make_trainer(hw.model_for("loss_type"), hw.make_args(max_steps=2), train_dataset=Stream())
+    assert "iterable dataset" in unmeasurable(stream)
+    assert unmeasurable(stream, in_run=True) is None
