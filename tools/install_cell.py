@@ -45,7 +45,10 @@ import sys
 
 if importlib.util.find_spec("accumlab_course") is None:  # a hosted service, a bare Jupyter
     given = os.environ.get("ACCUMLAB_INSTALL_SOURCE")
-    sources = given.split(os.pathsep) if given else ["{library}", "{course}"]
+    sources = given.split(os.pathsep) if given else [
+        "{library}",
+        "{course}",
+    ]
     pip = [sys.executable, "-m", "pip", "install", "--quiet"]
     if importlib.util.find_spec("torch") is None:
         print("installing PyTorch 2.13.0, CPU build ...")
