@@ -90,3 +90,18 @@ def test_latest_reports_each_moved_release_and_each_failure(tmp_path):
         '</testsuite></testsuites>')
     assert lock.failures(junit) == (3, ["  tests.hf.test_a::test_bad: assert 1 == 2",
                                         "  nb::Cell 5: cell failed"])
+
+
+def test_lesson_09_describes_the_locks_releases():
+    """Lesson 09 measures each framework at the release it names (its PINNED), and says so
+    where another is installed: those releases are the lock's."""
+    import ast
+    import json
+
+    cells = json.loads((ROOT / "notebooks" / "09_who_divides_by_what.ipynb").read_text())["cells"]
+    (source,) = ["".join(c["source"]) for c in cells if "PINNED = {" in "".join(c["source"])]
+    tree = ast.parse(source)
+    (pinned,) = [ast.literal_eval(n.value) for n in ast.walk(tree)
+                 if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "PINNED"]
+    locked = lock.read_lock()
+    assert pinned and all(locked[lock.normalize(name)] == release for name, release in pinned.items())
