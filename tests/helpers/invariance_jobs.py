@@ -25,15 +25,15 @@ def make_model(seed: int = 0) -> torch.nn.Module:
     return AuditLM(vocab_size=VOCAB).double()
 
 
-def make_examples(n: int = 9, seed: int = 1) -> list[dict]:
-    """``n`` token sequences of uneven length (3-10), some with a prompt whose labels are
-    masked, some without (their first label is a target)."""
+def make_examples(n: int = 9, seed: int = 1, *, vocab: int = VOCAB, longest: int = 10) -> list[dict]:
+    """``n`` token sequences of uneven length (3 to ``longest``) over ``vocab`` tokens, some
+    with a prompt whose labels are masked, some without (their first label is a target)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        length = int(torch.randint(3, 11, (1,), generator=g))
+        length = int(torch.randint(3, longest + 1, (1,), generator=g))
         prompt = int(torch.randint(0, 3, (1,), generator=g))
-        out.append({"ids": torch.randint(0, VOCAB, (length,), generator=g).tolist(), "prompt": prompt})
+        out.append({"ids": torch.randint(0, vocab, (length,), generator=g).tolist(), "prompt": prompt})
     return out
 
 

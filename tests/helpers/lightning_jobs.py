@@ -11,7 +11,8 @@ import warnings
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
-from transformers import GPT2Config, GPT2LMHeadModel
+
+from helpers import hf_models, invariance_jobs
 
 IGNORE = -100
 VOCAB = 50
@@ -22,12 +23,7 @@ def examples(n: int = 10, seed: int = 1) -> list[dict]:
     """``n`` sequences of 3-11 tokens, some with a masked prompt; each carries the target
     count of its window of ``M × A`` examples (``window_targets``), as a data pipeline that
     knows its windows gives it."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        length = int(torch.randint(3, 12, (1,), generator=g))
-        prompt = int(torch.randint(0, 3, (1,), generator=g))
-        out.append({"ids": torch.randint(0, VOCAB, (length,), generator=g).tolist(), "prompt": prompt})
+    out = invariance_jobs.make_examples(n, seed, vocab=VOCAB, longest=11)
     for k in range(0, n, M * A):
         window = out[k:k + M * A]
         total = sum(targets_of(e) for e in window)
@@ -41,28 +37,18 @@ def targets_of(example: dict) -> int:
     return len(example["ids"]) - max(example["prompt"], 1)
 
 
+def gpt2() -> torch.nn.Module:
+    """The jobs' GPT-2 (``hf_models.gpt2``): ``VOCAB`` tokens, 32 positions, dropout 0."""
+    return hf_models.gpt2(vocab=VOCAB, positions=32, bos_token_id=0, eos_token_id=0)
+
+
 def collate(items: list[dict]) -> dict[str, torch.Tensor]:
-    width = max(len(e["ids"]) for e in items)
-    ids = torch.zeros(len(items), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    labels = torch.full_like(ids, IGNORE)
-    for r, e in enumerate(items):
-        n = len(e["ids"])
-        ids[r, :n] = torch.tensor(e["ids"])
-        mask[r, :n] = 1
-        labels[r, e["prompt"]:n] = torch.tensor(e["ids"][e["prompt"]:])
-    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    """``invariance_jobs.collate``'s microbatch, with the window's target count where the
+    examples carry it."""
+    batch = invariance_jobs.collate(items)
     if all("window_targets" in e for e in items):
         batch["window_targets"] = torch.tensor([e["window_targets"] for e in items])
     return batch
-
-
-def gpt2(seed: int = 0) -> GPT2LMHeadModel:
-    torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=1, n_head=2,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config)
 
 
 class Module(L.LightningModule):
