@@ -160,10 +160,8 @@ def _check_window_token_loss(answer: WindowLoss) -> str | None:
         expected = _package_value(logits, labels)
         mine = [x.clone().requires_grad_(True) for x in logits]
         got = answer(mine, [y.clone() for y in labels])
-        if not isinstance(got, Tensor):
-            return f"return a tensor (so it can be backpropagated), got {type(got).__name__}"
-        if got.numel() != 1:
-            return f"return a single number (0-d tensor), got shape {tuple(got.shape)}"
+        if (wrong := _not_one_number(got)) is not None:
+            return wrong
         value = float(got.detach())
         if not math.isclose(value, float(expected), rel_tol=1e-5, abs_tol=1e-7):
             counts = [_OBJECTIVE.count({"labels": y}) for y in labels]
@@ -172,15 +170,43 @@ def _check_window_token_loss(answer: WindowLoss) -> str | None:
                 f"on microbatches with {counts} targets you returned {shown}, the window's "
                 f"token mean is {right}: {_diagnose(value, logits, labels)}"
             )
-        if not got.requires_grad:
-            return "the result is detached from the logits; keep it a differentiable tensor"
-        got.reshape(()).backward()
-        reference = [x.clone().requires_grad_(True) for x in logits]
-        reference_window_token_loss(reference, labels).backward()
-        for i, (a, b) in enumerate(zip(mine, reference, strict=True)):
-            if not grads_close(a, b):  # a skipped microbatch's None counts as zero
-                return f"the value is right but the gradient of microbatch {i}'s logits is not"
+        wrong = _gradient_differs(got, mine, logits, reference_window_token_loss, labels)
+        if wrong is not None:
+            return wrong
     return _check_empty_window(answer)
+
+
+def _not_one_number(got: object) -> str | None:
+    """What is wrong with a returned loss that is no one-number tensor; None when it is one."""
+    if not isinstance(got, Tensor):
+        return f"return a tensor (so it can be backpropagated), got {type(got).__name__}"
+    if got.numel() != 1:
+        return f"return a single number (0-d tensor), got shape {tuple(got.shape)}"
+    return None
+
+
+def _gradient_differs(
+    got: Tensor,
+    mine: list[Tensor],
+    logits: list[Tensor],
+    reference: Callable[..., Tensor | None],
+    *rest: Sequence[Tensor],
+) -> str | None:
+    """Backpropagate ``got``, a loss of the right value made from ``mine`` (the learner's
+    copies of ``logits``), and ``reference(copies, *rest)`` made from fresh copies of
+    ``logits``: what differs, or None when each microbatch's logits get the reference's
+    gradient."""
+    if not got.requires_grad:
+        return "the result is detached from the logits; keep it a differentiable tensor"
+    got.reshape(()).backward()
+    theirs = [x.clone().requires_grad_(True) for x in logits]
+    loss = reference(theirs, *rest)
+    assert loss is not None  # the cases the checkers call this on all have targets
+    loss.backward()
+    for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+        if not grads_close(a, b):  # a skipped microbatch's None counts as zero
+            return f"the value is right but the gradient of microbatch {i}'s logits is not"
+    return None
 
 
 def _check_empty_window(answer: WindowLoss) -> str | None:
@@ -307,10 +333,8 @@ def _check_window_weighted_loss(answer: WeightedLoss) -> str | None:
         assert expected is not None
         mine = [x.clone().requires_grad_(True) for x in logits]
         got = answer(mine, [y.clone() for y in labels], [w.clone() for w in weights])
-        if not isinstance(got, Tensor):
-            return f"return a tensor (so it can be backpropagated), got {type(got).__name__}"
-        if got.numel() != 1:
-            return f"return a single number (0-d tensor), got shape {tuple(got.shape)}"
+        if (wrong := _not_one_number(got)) is not None:
+            return wrong
         value = float(got.detach())
         counts = [_OBJECTIVE.count({"labels": y}) for y in labels]
         if not math.isfinite(value):
@@ -322,14 +346,9 @@ def _check_window_weighted_loss(answer: WeightedLoss) -> str | None:
                 f"on microbatches with {counts} targets you returned {shown}, the window's "
                 f"weighted token mean is {right}: {_diagnose_weighted(value, logits, labels, weights)}"
             )
-        if not got.requires_grad:
-            return "the result is detached from the logits; keep it a differentiable tensor"
-        got.reshape(()).backward()
-        reference = [x.clone().requires_grad_(True) for x in logits]
-        reference_window_weighted_loss(reference, labels, weights).backward()
-        for i, (a, b) in enumerate(zip(mine, reference, strict=True)):
-            if not grads_close(a, b):  # a skipped microbatch's None counts as zero
-                return f"the value is right but the gradient of microbatch {i}'s logits is not"
+        wrong = _gradient_differs(got, mine, logits, reference_window_weighted_loss, labels, weights)
+        if wrong is not None:
+            return wrong
     # a window with targets only in rows of weight 0: nothing to learn
     logits, labels, weights = _weighted_case(30)
     zero = [torch.zeros_like(w) for w in weights]
