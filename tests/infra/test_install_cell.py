@@ -10,7 +10,6 @@ but no accumlab, with a locally built wheel as the install source.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import shutil
@@ -18,22 +17,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import install_cell as ic
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-sys.path.insert(0, str(REPO / "tools"))
-ic = _load("install_cell", REPO / "tools" / "install_cell.py")
 
 
 def _notebook(name: str = "00_start_here.ipynb") -> dict:

@@ -7,19 +7,16 @@ keeps the old one.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import learner_copies as copies
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("learner_copies", ROOT / "tools" / "learner_copies.py")
-copies = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(copies)
 
 
 @pytest.fixture(autouse=True)

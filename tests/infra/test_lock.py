@@ -13,14 +13,12 @@ from __future__ import annotations
 import importlib.metadata as md
 import re
 import subprocess
-import sys
 from pathlib import Path
 
+import lock  # tools/lock.py (pyproject puts tools/ on the path)
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import lock  # noqa: E402  (tools/lock.py, by path)
 
 
 def test_every_line_is_an_exact_pin():

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
 from pathlib import Path
 
 import nbformat
+import nbval_matrix as matrix
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("nbval_matrix", ROOT / "tools" / "nbval_matrix.py")
-matrix = importlib.util.module_from_spec(spec)
-sys.modules["nbval_matrix"] = matrix  # dataclasses look the module up by name
-spec.loader.exec_module(matrix)
 
 
 def test_pairs_meet_every_two_levels_of_every_two_factors():

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
 sys.path.insert(0, str(REPO / "docs" / "site" / "_ext"))
 
 import accumlab_site  # noqa: E402

@@ -3,23 +3,16 @@ exactly the cells that need a process (the workshop's fallback list for notebook
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import importlib
 from pathlib import Path
 
 import nbformat
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "time_notebooks.py"
-
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("time_notebooks", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["time_notebooks"] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("time_notebooks")
 
 
 def _notebook(path: Path, cells: list[tuple[str, str]]) -> Path:

@@ -9,9 +9,8 @@ a prediction 2 (a newcomer's pace).
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,11 +22,7 @@ CORE_LIMIT_MINUTES = 240  # a half day: the core path must fit in 4 hours
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("course_time", REPO / "tools" / "course_time.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["course_time"] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("course_time")
 
 
 def _md(text: str) -> dict:

@@ -53,12 +53,10 @@ from __future__ import annotations
 
 import ast
 import importlib
-import importlib.util
 import io
 import json
 import math
 import re
-import sys
 import tokenize
 from dataclasses import dataclass
 from html.parser import HTMLParser
@@ -394,11 +392,7 @@ def _notebook(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def site():
     """tools/build_site.py, to assemble each lesson as the site shows it (no Sphinx run)."""
-    sys.path.insert(0, str(REPO / "tools"))
-    spec = importlib.util.spec_from_file_location("build_site", REPO / "tools" / "build_site.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("build_site")
 
 
 def site_lesson(site: Any, path: Path) -> tuple[list[dict], list[dict]]:

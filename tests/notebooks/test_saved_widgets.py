@@ -8,9 +8,8 @@ live view, and ``tools/run_notebooks.py`` saves the drawing alone.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 
 import nbformat
@@ -23,11 +22,7 @@ VIEW = "application/vnd.jupyter.widget-view+json"
 
 @pytest.fixture(scope="module")
 def runner():
-    sys.path.insert(0, str(REPO / "tools"))
-    spec = importlib.util.spec_from_file_location("run_notebooks", REPO / "tools" / "run_notebooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("run_notebooks")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -13,13 +13,10 @@ from __future__ import annotations
 import html
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from course_time import measure  # noqa: E402
+from course_time import measure
 
 REPO = Path(__file__).resolve().parents[2]
 KIT = (REPO / "docs" / "WORKSHOP.md").read_text(encoding="utf-8")
