@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..invariance.gradients import Gradient, distance, dot
 from ..least_squares import Fit, least_squares_products
 from ..objectives import NextTokenLoss, Objective
 from .capture import CapturedWindow, Microbatch, held_gradient
@@ -65,53 +66,6 @@ from .objectives import (
 )
 
 PATTERNS = ("token", "rank", "rank_pre", "microbatch")
-CHUNK = 1 << 20
-
-Gradient = Sequence[Tensor | None]
-
-
-# -- gradients held as lists of tensors ---------------------------------------------------
-
-
-def _chunks(a: Tensor | None, b: Tensor | None) -> Any:
-    """Aligned float64 chunks of two same-shaped (flattened) tensors; None reads as zeros."""
-    ref = a if a is not None else b
-    if ref is None:
-        return
-    n = ref.numel()
-    fa = a.reshape(-1) if a is not None else None
-    fb = b.reshape(-1) if b is not None else None
-    for s in range(0, n, CHUNK):
-        e = min(n, s + CHUNK)
-        ca = fa[s:e].double() if fa is not None else None
-        cb = (
-            fb[s:e].to(ca.device if ca is not None else fb.device).double()
-            if fb is not None
-            else None
-        )
-        yield ca, cb
-
-
-def dot(a: Gradient, b: Gradient) -> float:
-    """``<a, b>`` over every parameter, in float64."""
-    total = 0.0
-    for x, y in zip(a, b, strict=True):
-        for cx, cy in _chunks(x, y):
-            if cx is not None and cy is not None:
-                total += float(torch.dot(cx, cy))
-    return total
-
-
-def distance(a: Gradient, fa: float, b: Gradient, fb: float) -> float:
-    """``‖fa·a − fb·b‖`` over every parameter, in float64 (no cancellation: the difference
-    is formed entry by entry)."""
-    total = 0.0
-    for x, y in zip(a, b, strict=True):
-        for cx, cy in _chunks(x, y):
-            d = (fa * cx if cx is not None else 0.0) - (fb * cy if cy is not None else 0.0)
-            if isinstance(d, Tensor):
-                total += float(d.dot(d))
-    return math.sqrt(total)
 
 
 # -- the measurement ----------------------------------------------------------------------
@@ -512,8 +466,6 @@ __all__ = [
     "PATTERNS",
     "all_gather_objects",
     "WindowMeasure",
-    "dot",
-    "distance",
     "measure_window",
     "pre_shift_count",
     "same_on_every_rank",

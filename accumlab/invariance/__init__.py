@@ -36,7 +36,7 @@ One idea per module, each importing only those listed before it (and the layers'
   (:func:`take_rows`, :func:`join_rows`, :class:`CannotJoin`), for adapters that see
   only what a data loader collated;
 - :mod:`.gradients`: :class:`HeldGradient`, the one gradient copy, and the comparison
-  (factor, relative error, residual);
+  (factor, relative error, residual), read in float64 chunks;
 - :mod:`.report`: :class:`SplitMeasure` and :class:`InvarianceReport` with its text;
 - :mod:`.names`: the name each comparison gives, and its evidence;
 - :mod:`.engine`: :func:`check_splits`, the check's order of runs, :class:`NotChecked`;

@@ -5,18 +5,19 @@ zeros) per trainable parameter, always in the same order. :class:`HeldGradient` 
 copy (float32, or float64 for a float64 gradient: never narrower than float32), the only
 gradient-sized memory the check adds; the gradient it is compared with stays where the
 adapter left it (the parameters' ``.grad``). :meth:`HeldGradient.compare` reads both a
-parameter at a time, in float64 (a float64 temporary of one parameter at a time), and
-gives the three numbers the check reads (:func:`compare` does the same for two gradients
+chunk of at most ``CHUNK`` entries at a time, in float64 (the only float64 temporaries),
+and gives the three numbers the check reads (:func:`compare` does the same for two gradients
 held elsewhere, without a copy): the factor ``a`` of the least-squares fit
 ``g ≈ a · held`` (:func:`accumlab.least_squares.least_squares_products`), the relative
 error ``‖g − held‖ / ‖held‖`` (formed entry by entry, so a float32 rounding error is
-measured, not lost) and the fit's residual ``‖g − a · held‖ / ‖g‖``.
+measured, not lost) and the fit's residual ``‖g − a · held‖ / ‖g‖``. :func:`dot` and
+:func:`distance` read two gradients the same way (the Trainer audit's fits).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,46 @@ from ..least_squares import least_squares_products
 
 #: One entry per trainable parameter, in a fixed order; ``None`` is a zero gradient.
 Gradient = Sequence[Tensor | None]
+#: Entries read into float64 at a time (8 MiB per temporary), whatever a parameter's size.
+CHUNK = 1 << 20
+
+
+def _chunks(a: Tensor | None, b: Tensor | None) -> Iterator[tuple[Tensor | None, Tensor | None]]:
+    """Aligned float64 chunks of two same-shaped (flattened) tensors, ``b``'s on ``a``'s
+    device; None reads as zeros (its chunks are None)."""
+    ref = a if a is not None else b
+    if ref is None:
+        return
+    n = ref.numel()
+    fa = a.detach().reshape(-1) if a is not None else None
+    fb = b.detach().reshape(-1) if b is not None else None
+    for s in range(0, n, CHUNK):
+        e = min(n, s + CHUNK)
+        ca = fa[s:e].double() if fa is not None else None
+        cb = fb[s:e].to(ca.device if ca is not None else fb.device).double() if fb is not None else None
+        yield ca, cb
+
+
+def dot(a: Gradient, b: Gradient) -> float:
+    """``<a, b>`` over every parameter, in float64."""
+    total = 0.0
+    for x, y in zip(a, b, strict=True):
+        for cx, cy in _chunks(x, y):
+            if cx is not None and cy is not None:
+                total += float(torch.dot(cx, cy))
+    return total
+
+
+def distance(a: Gradient, fa: float, b: Gradient, fb: float) -> float:
+    """``‖fa·a − fb·b‖`` over every parameter, in float64 (no cancellation: the difference
+    is formed entry by entry)."""
+    total = 0.0
+    for x, y in zip(a, b, strict=True):
+        for cx, cy in _chunks(x, y):
+            d = (fa * cx if cx is not None else 0.0) - (fb * cy if cy is not None else 0.0)
+            if isinstance(d, Tensor):
+                total += float(d.dot(d))
+    return math.sqrt(total)
 
 
 @dataclass(frozen=True)
@@ -133,27 +174,23 @@ class HeldGradient:
 
 def compare(gradient: Gradient, held: Gradient) -> Comparison:
     """``gradient`` against ``held`` (see :class:`Comparison`), both read where they are,
-    a parameter at a time in float64: no copy of either is made."""
+    ``CHUNK`` entries at a time in float64: no copy of either is made."""
     entries = _check_entries(gradient, None)
     others = _check_entries(held, len(entries))
     gg = hh = gh = dd = 0.0
     for i, (g, h) in enumerate(zip(entries, others, strict=True)):
-        if h is None and g is None:
-            continue
         if g is not None and h is not None and g.shape != h.shape:
             raise ValueError(f"entry {i}: shapes {tuple(g.shape)} and {tuple(h.shape)} differ")
-        x = g.detach().reshape(-1).double() if g is not None else None
-        y = h.detach().reshape(-1).to(x.device if x is not None else h.device).double() if h is not None else None
-        if x is not None:
-            gg += float(x.dot(x))
-        if y is not None:
-            hh += float(y.dot(y))
-        if x is not None and y is not None:
-            gh += float(x.dot(y))
-            dd += float((x - y).square().sum())
-        else:
-            dd += float((x if x is not None else y).square().sum())  # type: ignore[union-attr]
-        del x, y
+        for x, y in _chunks(g, h):
+            if x is not None:
+                gg += float(x.dot(x))
+            if y is not None:
+                hh += float(y.dot(y))
+            if x is not None and y is not None:
+                gh += float(x.dot(y))
+                dd += float((x - y).square().sum())
+            else:
+                dd += float((x if x is not None else y).square().sum())  # type: ignore[union-attr]
     norm, held_norm = math.sqrt(gg), math.sqrt(hh)
     if not (math.isfinite(gg) and math.isfinite(hh) and math.isfinite(gh)):
         return Comparison(math.nan, math.nan, math.nan, norm, held_norm)
@@ -164,4 +201,4 @@ def compare(gradient: Gradient, held: Gradient) -> Comparison:
     return Comparison(fit.coefficients[0], math.sqrt(dd) / held_norm, fit.residual, norm, held_norm)
 
 
-__all__ = ["Comparison", "Gradient", "HeldGradient", "compare"]
+__all__ = ["CHUNK", "Comparison", "Gradient", "HeldGradient", "compare", "distance", "dot"]

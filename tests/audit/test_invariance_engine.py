@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -220,6 +221,33 @@ def test_the_held_gradient_is_one_copy_reused_never_narrower_than_float32():
         held.compare([torch.ones(3)])
     with pytest.raises(ValueError, match="has shape"):
         held.compare([torch.ones(4), torch.ones(2)])
+
+
+def test_a_parameter_is_compared_in_float64_chunks_with_the_numbers_of_a_whole_one(monkeypatch):
+    """The check's memory bound (one float32 copy beyond the job's): a parameter larger
+    than CHUNK entries is never widened to float64 whole, and the numbers are those of
+    float64 over the whole parameters, computed here in numpy."""
+    from accumlab.invariance import gradients
+
+    g = torch.Generator().manual_seed(0)
+    big = gradients.CHUNK * 2 + 3
+    held = [torch.randn(big, generator=g), torch.randn(5, generator=g), None]
+    mine = [0.5 * held[0] + 1e-3 * torch.randn(big, generator=g), None, torch.randn(2, generator=g)]
+    widened = []
+    double = torch.Tensor.double
+    monkeypatch.setattr(torch.Tensor, "double", lambda t: widened.append(t.numel()) or double(t))
+    c = gradients.compare(mine, held)
+    d = gradients.distance(mine, 1.0, held, 0.5)
+    monkeypatch.undo()
+    assert max(widened) <= gradients.CHUNK
+
+    x = np.concatenate([mine[0].numpy(), np.zeros(5), mine[2].numpy()]).astype(np.float64)
+    y = np.concatenate([held[0].numpy(), held[1].numpy(), np.zeros(2)]).astype(np.float64)
+    factor = float(x @ y / (y @ y))
+    assert c.factor == pytest.approx(factor, rel=1e-12)
+    assert c.relative_error == pytest.approx(np.linalg.norm(x - y) / np.linalg.norm(y), rel=1e-9)
+    assert c.residual == pytest.approx(np.linalg.norm(x - factor * y) / np.linalg.norm(x), rel=1e-6)
+    assert d == pytest.approx(np.linalg.norm(x - 0.5 * y), rel=1e-9)
 
 
 def test_the_report_wraps_at_100_characters_and_quotes_the_table():
