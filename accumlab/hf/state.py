@@ -15,63 +15,30 @@ what it was. Parameter values are never written by the audit (no optimizer step 
 from __future__ import annotations
 
 import contextlib
-import random
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import nn
 
-from .capture import RngState
-
-
-@contextlib.contextmanager
-def preserved_rng() -> Iterator[None]:
-    """Restore Python's, NumPy's (when installed) and torch's (CPU and CUDA) RNG states on exit."""
-    py = random.getstate()
-    try:
-        import numpy as np
-
-        np_state: Any = np.random.get_state()
-    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
-        np, np_state = None, None
-    torch_state = RngState.now()
-    try:
-        yield
-    finally:
-        random.setstate(py)
-        if np is not None:
-            np.random.set_state(np_state)
-        torch_state.restore()
+from ..invariance.state import ModelState
 
 
 @contextlib.contextmanager
 def preserved_model(model: nn.Module) -> Iterator[None]:
     """On exit: every parameter's ``.grad`` is its original tensor (or None), each module's
     training flag and buffer values are as before, the top module's instance attributes
-    (an Accelerate ``forward`` patch) are the original ones, and the RNG states are restored.
+    (an Accelerate ``forward`` patch) are the original ones, and the RNG states are restored
+    (the split-invariance engine's :class:`~accumlab.invariance.state.ModelState`, plus the
+    attributes).
 
     Inside, gradients start cleared (``None``).
     """
-    params = list(model.parameters())
-    grads = [p.grad for p in params]
-    modes = [(m, m.training) for m in model.modules()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     attributes = dict(vars(model))
-    for p in params:
-        p.grad = None
+    state = ModelState(model)
     try:
-        with preserved_rng():
-            yield
+        yield
     finally:
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        for m, training in modes:
-            m.training = training
-        with torch.no_grad():
-            for b, saved in buffers:
-                if not torch.equal(b, saved):
-                    b.copy_(saved)
+        state.close()
         for key in list(vars(model)):
             if key not in attributes:
                 delattr(model, key)
@@ -122,4 +89,4 @@ def preserved_trainer(trainer: Any) -> Iterator[None]:
             _restore(o, attrs)
 
 
-__all__ = ["preserved_model", "preserved_rng", "preserved_trainer"]
+__all__ = ["preserved_model", "preserved_trainer"]

@@ -31,7 +31,7 @@ Gradient = Sequence[Tensor | None]
 CHUNK = 1 << 20
 
 
-def _chunks(a: Tensor | None, b: Tensor | None) -> Iterator[tuple[Tensor | None, Tensor | None]]:
+def float64_chunks(a: Tensor | None, b: Tensor | None) -> Iterator[tuple[Tensor | None, Tensor | None]]:
     """Aligned float64 chunks of two same-shaped (flattened) tensors, ``b``'s on ``a``'s
     device; None reads as zeros (its chunks are None)."""
     ref = a if a is not None else b
@@ -51,7 +51,7 @@ def dot(a: Gradient, b: Gradient) -> float:
     """``<a, b>`` over every parameter, in float64."""
     total = 0.0
     for x, y in zip(a, b, strict=True):
-        for cx, cy in _chunks(x, y):
+        for cx, cy in float64_chunks(x, y):
             if cx is not None and cy is not None:
                 total += float(torch.dot(cx, cy))
     return total
@@ -62,7 +62,7 @@ def distance(a: Gradient, fa: float, b: Gradient, fb: float) -> float:
     is formed entry by entry)."""
     total = 0.0
     for x, y in zip(a, b, strict=True):
-        for cx, cy in _chunks(x, y):
+        for cx, cy in float64_chunks(x, y):
             d = (fa * cx if cx is not None else 0.0) - (fb * cy if cy is not None else 0.0)
             if isinstance(d, Tensor):
                 total += float(d.dot(d))
@@ -181,7 +181,7 @@ def compare(gradient: Gradient, held: Gradient) -> Comparison:
     for i, (g, h) in enumerate(zip(entries, others, strict=True)):
         if g is not None and h is not None and g.shape != h.shape:
             raise ValueError(f"entry {i}: shapes {tuple(g.shape)} and {tuple(h.shape)} differ")
-        for x, y in _chunks(g, h):
+        for x, y in float64_chunks(g, h):
             if x is not None:
                 gg += float(x.dot(x))
             if y is not None:
@@ -201,4 +201,4 @@ def compare(gradient: Gradient, held: Gradient) -> Comparison:
     return Comparison(fit.coefficients[0], math.sqrt(dd) / held_norm, fit.residual, norm, held_norm)
 
 
-__all__ = ["CHUNK", "Comparison", "Gradient", "HeldGradient", "compare", "distance", "dot"]
+__all__ = ["CHUNK", "Comparison", "Gradient", "HeldGradient", "compare", "distance", "dot", "float64_chunks"]

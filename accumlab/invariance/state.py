@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .gradients import float64_chunks
+
 
 @dataclass
 class RandomState:
@@ -68,9 +70,13 @@ class RandomState:
 
 
 def _fingerprint(p: Tensor) -> tuple[float, float]:
-    """The sum and the sum of squares of a parameter's values, in float64."""
-    x = p.detach().reshape(-1).double()
-    return float(x.sum()), float(x.dot(x))
+    """The sum and the sum of squares of a parameter's values, in float64 (a chunk at a time)."""
+    total = squares = 0.0
+    for x, _ in float64_chunks(p, None):
+        assert x is not None
+        total += float(x.sum())
+        squares += float(x.dot(x))
+    return total, squares
 
 
 def _same_numpy(a: Any, b: Any) -> bool:
