@@ -31,6 +31,8 @@ The package is cut by idea:
 - :mod:`.files`: names, the atomic write and its checksum, rotation, reading back the
   newest intact checkpoint every rank has;
 - :mod:`.lock`: the directory lock: a run owns its checkpoint directory for its lifetime;
+- :mod:`.lock_record`: what the lock file holds (the holder's pid, host and start), read,
+  judged and described;
 - :mod:`.compare`: what a resume compares before it loads anything (plan, model, settings,
   optimizer parameters in order, scheduler, data digests), :class:`ResumeMismatchError`;
 - :mod:`.replay`: the RNG states, and their replay while a resume reads the data again;

@@ -48,19 +48,26 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
-import socket
 import stat
 import threading
 import time
 import warnings
-from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from ..atomic_write import file_kind, make_directories, remove_empty_directories
+from .lock_record import (
+    Content,
+    alive,
+    corrupt,
+    describe,
+    my_record,
+    read_bytes,
+    read_record,
+    record_bytes,
+    write_record,
+)
 
 try:
     import fcntl
@@ -69,7 +76,6 @@ except ImportError:  # Windows: the record and O_EXCL only
 
 LOCK_NAME = ".checkpoint-lock"
 _SETTLE_S = 0.05  # pause before a fallback takeover reads its record back
-_MAX_RECORD_BYTES = 4096  # a record is about 100 bytes; more is read as no record
 #: How the lock file is opened: never through a symlink (``O_NOFOLLOW``: the open fails
 #: instead), and without blocking on a FIFO put at its name.
 _OPEN = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
@@ -83,129 +89,6 @@ class CheckpointDirectoryInUseError(RuntimeError):
     """Another run (a live process, or one whose state cannot be told) holds the
     checkpoint directory's lock, or the lock this run held is no longer its own; the
     message names the lock file, the holder where known, and what to do."""
-
-
-#: The largest process id any system gives (``pid_t`` is a C int): a record naming a
-#: larger one is corrupt (``os.kill`` would raise ``OverflowError`` on it).
-_MAX_PID = 2**31 - 1
-
-
-def _process_start(pid: int) -> str | None:
-    """The start time of process ``pid`` in clock ticks since boot (Linux), to tell the
-    process that wrote a record from another one that got its pid later; ``None``
-    where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-@dataclass(frozen=True)
-class Unreadable:
-    """A lock file whose bytes are no lock record; ``why`` says what is wrong with them."""
-
-    why: str
-
-
-#: A lock file's content: its record, :class:`Unreadable`, or ``None`` while it is empty.
-Content = dict[str, Any] | Unreadable | None
-
-
-def _preview(data: bytes) -> str:
-    return repr(data[:24]) + (f"... ({len(data)} bytes)" if len(data) > 24 else "")
-
-
-def _parse(data: bytes) -> Content:
-    """A lock file's bytes as its record (see :data:`Content`)."""
-    if not data:
-        return None
-    if len(data) > _MAX_RECORD_BYTES:
-        return Unreadable(f"it holds over {_MAX_RECORD_BYTES} bytes, a record about 100; it "
-                          f"begins {_preview(data)}")
-    if b"\0" in data:
-        first = data.index(b"\0")
-        return Unreadable(f"it holds NUL bytes, the first at offset {first} (as a crash can "
-                          f"leave a file being written): {_preview(data)}")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return Unreadable(f"its bytes are not UTF-8 text (byte {data[exc.start]:#04x} at offset "
-                          f"{exc.start}): {_preview(data)}")
-    try:
-        record = json.loads(text)
-    except ValueError as exc:
-        where = f" ({exc.msg} at character {exc.pos})" if isinstance(exc, json.JSONDecodeError) else ""
-        return Unreadable(f"it is not JSON{where}: {_preview(data)}")
-    if not isinstance(record, dict):
-        return Unreadable(f"it holds a JSON {type(record).__name__}, not an object naming a pid "
-                          f"and a host: {_preview(data)}")
-    return record
-
-
-def _corrupt(record: Content) -> str | None:
-    """Why a lock file's content read back cannot be a run's record, or ``None`` when it
-    can be (or is absent: a file still empty)."""
-    if record is None:
-        return None
-    if isinstance(record, Unreadable):
-        return record.why
-    pid, host = record.get("pid"), record.get("host")
-    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= _MAX_PID:
-        return f"its pid {pid!r} is not a process id"
-    if not isinstance(host, str):
-        return f"its host {host!r} is not a host name"
-    return None
-
-
-def _alive(record: dict[str, Any]) -> bool | None:
-    """Whether the process a valid record names runs: ``None`` when it is on another host."""
-    if record.get("host") != socket.gethostname():
-        return None
-    pid = record["pid"]
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # it exists, under another user
-    start = _process_start(pid)
-    return start is None or record.get("process_start") in (None, start)
-
-
-def _describe(record: Content) -> str:
-    if record is None:
-        return "a process that has not written its name yet"
-    why = _corrupt(record)
-    if why or not isinstance(record, dict):
-        return f"a corrupt lock record ({why})"
-    return (f"process {record.get('pid')} on host {record.get('host')!r}, started "
-            f"{record.get('started')}")
-
-
-def _read_bytes(fd: int) -> bytes:
-    os.lseek(fd, 0, os.SEEK_SET)
-    data = b""
-    while len(data) <= _MAX_RECORD_BYTES and (chunk := os.read(fd, 4096)):
-        data += chunk
-    return data
-
-
-def _read(fd: int) -> Content:
-    return _parse(_read_bytes(fd))
-
-
-def _encoded(record: dict[str, Any]) -> bytes:
-    return (json.dumps(record) + "\n").encode("utf-8")
-
-
-def _write(fd: int, record: dict[str, Any]) -> None:
-    os.ftruncate(fd, 0)
-    os.lseek(fd, 0, os.SEEK_SET)
-    data = _encoded(record)
-    while data:  # a write may take part of the bytes
-        data = data[os.write(fd, data):]
-    os.fsync(fd)
 
 
 def _flock(fd: int) -> str:
@@ -282,9 +165,7 @@ class DirectoryLock:
             return self
 
     def _take(self) -> None:
-        me = {"pid": os.getpid(), "host": socket.gethostname(),
-              "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "process_start": _process_start(os.getpid())}
+        me = my_record()
         for _ in range(20):  # a holder that deletes the file as we open it: try again
             try:
                 fd, created = os.open(self.path, _OPEN | os.O_CREAT | os.O_EXCL, 0o644), True
@@ -316,14 +197,14 @@ class DirectoryLock:
                     step = "read"
                     self._take_over(fd, state)
                 step = "write"
-                _write(fd, me)
+                write_record(fd, me)
                 if not created and state == "unsupported":
                     time.sleep(_SETTLE_S)  # another taker may have written after us
                     step = "read"
-                    if _read(fd) != me:
-                        raise self._in_use(_read(fd), flocked=False)
+                    if read_record(fd) != me:
+                        raise self._in_use(read_record(fd), flocked=False)
             except BaseException as exc:
-                self._discard(fd, created=created, state=state, mine=_encoded(me))
+                self._discard(fd, created=created, state=state, mine=record_bytes(me))
                 if isinstance(exc, OSError) and not isinstance(exc, _Named):
                     raise _Named(exc.errno, f"cannot {step} the lock file {self.path}: "
                                             f"{exc.strerror or exc}") from exc
@@ -341,7 +222,7 @@ class DirectoryLock:
         the flock (``state`` "held"), else one that holds nothing or (part of) ``mine``."""
         try:
             if created and state != "busy" and _same_file(self.path, fd):
-                if state == "held" or mine.startswith(_read_bytes(fd)):
+                if state == "held" or mine.startswith(read_bytes(fd)):
                     os.unlink(self.path)
         except OSError:
             pass  # left as it is: the next run takes over an empty or dead lock with a warning
@@ -376,7 +257,7 @@ class DirectoryLock:
         """The holder's record; a holder that has just created the file writes it within
         moments (what is there then, when it never becomes a record)."""
         for _ in range(20):
-            record = _read(fd)
+            record = read_record(fd)
             if isinstance(record, dict):
                 return record
             time.sleep(0.01)
@@ -387,12 +268,12 @@ class DirectoryLock:
         runs, or it is on another host). A file that stays empty was left by a run killed
         between creating it and writing its name; a corrupt record by no run of accumlab."""
         record = self._holder(fd)  # an empty file: its creator may be writing its name now
-        why = _corrupt(record)
-        if isinstance(record, dict) and not why and _alive(record) is not False:
+        why = corrupt(record)
+        if isinstance(record, dict) and not why and alive(record) is not False:
             raise self._in_use(record, flocked=state == "held")
         left = (f"the lock file {self.path}, whose record is corrupt ({why}) and which no "
                 "process holds" if why else
-                f"the lock left by {_describe(record)}, which no longer runs (killed?)")
+                f"the lock left by {describe(record)}, which no longer runs (killed?)")
         warnings.warn(
             f"checkpoint directory {os.fspath(self.directory)}: taking over {left}; this run "
             "owns the directory now",
@@ -402,18 +283,18 @@ class DirectoryLock:
 
     def _in_use(self, record: Content, *, flocked: bool) -> CheckpointDirectoryInUseError:
         where = os.fspath(self.directory)
-        valid = isinstance(record, dict) and not _corrupt(record)
-        if valid and _alive(record) is None:  # type: ignore[arg-type]
+        valid = isinstance(record, dict) and not corrupt(record)
+        if valid and alive(record) is None:  # type: ignore[arg-type]
             return CheckpointDirectoryInUseError(
-                f"checkpoint directory {where} is in use by {_describe(record)} (lock file "
+                f"checkpoint directory {where} is in use by {describe(record)} (lock file "
                 f"{self.path}); a run on another host cannot be checked from here: wait for it "
                 "to end, or, once you are sure it has ended, delete the lock file and run again"
             )
-        gone = valid and flocked and _alive(record) is False  # type: ignore[arg-type]
+        gone = valid and flocked and alive(record) is False  # type: ignore[arg-type]
         why = ("; that process is gone, but a process it started (a DataLoader worker?) still "
                "holds the lock: run again once they have exited") if gone else ""
         return CheckpointDirectoryInUseError(
-            f"checkpoint directory {where} is in use by another run: {_describe(record)} (lock "
+            f"checkpoint directory {where} is in use by another run: {describe(record)} (lock "
             f"file {self.path}){why}. Two runs in one directory would delete each other's "
             "checkpoints: wait for that run to end, or give this one another directory"
         )
@@ -424,13 +305,13 @@ class DirectoryLock:
         by fork holds nothing)."""
         if self._fd is None or self.record.get("pid") != os.getpid():
             return False
-        return _same_file(self.path, self._fd) and _read(self._fd) == self.record
+        return _same_file(self.path, self._fd) and read_record(self._fd) == self.record
 
     def lost(self) -> str:
         """How the lock file stopped being this run's, in words (for an error message):
         deleted, replaced by another file, or overwritten (and with what)."""
         if self._fd is not None and _same_file(self.path, self._fd):
-            return f"was overwritten while the run lived (it now names {_describe(_read(self._fd))})"
+            return f"was overwritten while the run lived (it now names {describe(read_record(self._fd))})"
         if not os.path.lexists(self.path):
             return "was deleted while the run lived"
         if os.path.islink(self.path):
@@ -440,7 +321,7 @@ class DirectoryLock:
         except OSError:
             return "was replaced by something else while the run lived"
         try:
-            now = _describe(_read(fd)) if stat.S_ISREG(os.fstat(fd).st_mode) else "no lock"
+            now = describe(read_record(fd)) if stat.S_ISREG(os.fstat(fd).st_mode) else "no lock"
         except OSError:
             now = "a file that cannot be read"
         finally:

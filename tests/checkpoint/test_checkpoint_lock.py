@@ -31,6 +31,7 @@ from helpers import resume_workers as workers  # tests/helpers/resume_workers.py
 import accumlab as al
 from accumlab import checkpoint
 from accumlab.checkpoint import lock as lock_module
+from accumlab.checkpoint import lock_record
 from accumlab_course import cli
 
 LOCK = ".checkpoint-lock"
@@ -144,7 +145,7 @@ def test_without_flock_a_live_holder_on_this_host_is_refused(tmp_path: Path, no_
     live.start()
     try:
         _write_record(tmp_path, pid=live.pid, host=socket.gethostname(),
-                      process_start=lock_module._process_start(live.pid))  # fmt: skip
+                      process_start=lock_record.process_start(live.pid))  # fmt: skip
         with pytest.raises(checkpoint.CheckpointDirectoryInUseError, match=f"process {live.pid}"):
             checkpoint.DirectoryLock(tmp_path).acquire()
     finally:
