@@ -10,6 +10,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[2] / "accumlab"
 
 
@@ -30,11 +32,20 @@ def _accumlab_imports(path: Path) -> set[str]:
     return found
 
 
-def test_the_loop_audit_imports_only_objectives_and_the_shared_modules():
-    allowed = {"accumlab.objectives", "accumlab.mistakes", "accumlab.least_squares"}
-    for path in sorted((PACKAGE / "loop_audit").glob("*.py")):
-        outside = {m for m in _accumlab_imports(path) if not m.startswith("accumlab.loop_audit")}
-        assert outside <= allowed, (path.name, sorted(outside - allowed))
+#: subpackage -> the modules outside it that it may import: the core's objectives (the
+#: engine also validate) and the two modules every audit shares
+ALLOWED = {
+    "loop_audit": {"accumlab.objectives", "accumlab.mistakes", "accumlab.least_squares"},
+    "invariance": {"accumlab.objectives", "accumlab.validate", "accumlab.mistakes",
+                   "accumlab.least_squares"},
+}
+
+
+@pytest.mark.parametrize("subpackage", sorted(ALLOWED))
+def test_each_audit_imports_only_the_shared_modules_and_the_core_it_names(subpackage):
+    for path in sorted((PACKAGE / subpackage).glob("*.py")):
+        outside = {m for m in _accumlab_imports(path) if not m.startswith(f"accumlab.{subpackage}")}
+        assert outside <= ALLOWED[subpackage], (path.name, sorted(outside - ALLOWED[subpackage]))
 
 
 def test_the_shared_modules_are_leaves():
@@ -47,39 +58,25 @@ def test_the_subpackage_init_re_exports_nothing():
     assert [type(node).__name__ for node in tree.body] == ["Expr"]  # its docstring only
 
 
-def test_each_module_imports_only_the_ones_its_map_lists_before_it():
+def _map(subpackage: str) -> list[str]:
+    """The modules the subpackage's docstring lists in its map (its lines that start with
+    ``- :mod:``), in order."""
+    doc = ast.get_docstring(ast.parse((PACKAGE / subpackage / "__init__.py").read_text()))
+    listed = [re.findall(r":mod:`\.(\w+)`", line) for line in doc.splitlines() if line.startswith("- :mod:")]
+    return list(dict.fromkeys(name for names in listed for name in names))
+
+
+@pytest.mark.parametrize("subpackage", sorted(ALLOWED))
+def test_each_module_imports_only_the_ones_its_map_lists_before_it(subpackage):
     """The subpackage's docstring lists its modules in order (its map); each imports only
     modules listed before it, so the subpackage has no import cycle."""
-    doc = ast.get_docstring(ast.parse((PACKAGE / "loop_audit" / "__init__.py").read_text()))
-    order = list(dict.fromkeys(re.findall(r":mod:`\.(\w+)`", doc)))
-    on_disk = {p.stem for p in (PACKAGE / "loop_audit").glob("*.py")} - {"__init__"}
+    order = _map(subpackage)
+    on_disk = {p.stem for p in (PACKAGE / subpackage).glob("*.py")} - {"__init__"}
     assert sorted(order) == sorted(on_disk), "the map lists every module once"
     for i, name in enumerate(order):
         inside = {
-            m.removeprefix("accumlab.loop_audit.")
-            for m in _accumlab_imports(PACKAGE / "loop_audit" / f"{name}.py")
-            if m.startswith("accumlab.loop_audit.")
-        }
-        assert inside <= set(order[:i]), (name, sorted(inside - set(order[:i])))
-
-
-def test_the_engine_imports_only_the_shared_modules_and_the_core_it_names():
-    allowed = {"accumlab.objectives", "accumlab.validate", "accumlab.mistakes",
-               "accumlab.least_squares"}
-    for path in sorted((PACKAGE / "invariance").glob("*.py")):
-        outside = {m for m in _accumlab_imports(path) if not m.startswith("accumlab.invariance")}
-        assert outside <= allowed, (path.name, sorted(outside - allowed))
-
-
-def test_each_engine_module_imports_only_the_ones_its_map_lists_before_it():
-    doc = ast.get_docstring(ast.parse((PACKAGE / "invariance" / "__init__.py").read_text()))
-    order = list(dict.fromkeys(re.findall(r"^- :mod:`\.(\w+)`", doc, re.MULTILINE)))
-    on_disk = {p.stem for p in (PACKAGE / "invariance").glob("*.py")} - {"__init__"}
-    assert sorted(order) == sorted(on_disk), "the map lists every module once"
-    for i, name in enumerate(order):
-        inside = {
-            m.removeprefix("accumlab.invariance.")
-            for m in _accumlab_imports(PACKAGE / "invariance" / f"{name}.py")
-            if m.startswith("accumlab.invariance.")
+            m.removeprefix(f"accumlab.{subpackage}.")
+            for m in _accumlab_imports(PACKAGE / subpackage / f"{name}.py")
+            if m.startswith(f"accumlab.{subpackage}.")
         }
         assert inside <= set(order[:i]), (name, sorted(inside - set(order[:i])))
